@@ -117,10 +117,25 @@ def _moe_w4a8_kernel(x, topk_ids, topk_weights, experts):
     return out
 
 
+def _check_fake_args(op, x, topk_ids, topk_weights, out=None) -> None:
+    """What a fake can check without the handle: dtypes, ranks, devices, and shape facts."""
+    if x.dtype not in _X_DTYPES:
+        raise _bad(op, "x", "bfloat16 or float16", x.dtype)
+    if x.dim() != 2:
+        raise _bad(op, "x", "2 dims [M, K]", f"shape {list(x.shape)}")
+    _check_routing(op, topk_ids, topk_weights)
+    for name, t in (("topk_ids", topk_ids), ("out", out)):
+        if t is not None and t.device != x.device:
+            raise _bad(op, name, f"device {x.device} (x's)", t.device)
+    torch._check(topk_ids.shape[0] == x.shape[0], lambda: f"b12x::{op}: topk_ids: expected x's M rows")
+    if out is not None:
+        torch._check(out.shape[0] == x.shape[0], lambda: f"b12x::{op}: out: expected x's shape")
+        torch._check(out.shape[1] == x.shape[1], lambda: f"b12x::{op}: out: expected x's shape")
+
+
 @torch.library.register_fake("b12x::moe_w4a8", lib=LIB)
 def _moe_w4a8_fake(x, topk_ids, topk_weights, experts):
-    torch._check(x.dim() == 2, lambda: "b12x::moe_w4a8: x must be [M, K]")
-    torch._check(topk_ids.shape[0] == x.shape[0], lambda: "b12x::moe_w4a8: topk_ids must have x's M rows")
+    _check_fake_args("moe_w4a8", x, topk_ids, topk_weights)
     return x.new_empty(x.shape)
 
 
@@ -141,7 +156,7 @@ def _moe_w4a8_out_kernel(x, topk_ids, topk_weights, experts, out):
 
 @torch.library.register_fake("b12x::moe_w4a8_out", lib=LIB)
 def _moe_w4a8_out_fake(x, topk_ids, topk_weights, experts, out):
-    torch._check(out.shape == x.shape, lambda: "b12x::moe_w4a8_out: out must have x's shape")
+    _check_fake_args("moe_w4a8_out", x, topk_ids, topk_weights, out)
     return None
 
 
@@ -189,4 +204,8 @@ for _key in ("CPU", "CUDA"):
     LIB.impl("moe_w4a8", _moe_w4a8_kernel, _key)
     LIB.impl("moe_w4a8_out", _moe_w4a8_out_kernel, _key)
 LIB.impl("ep_remap", _ep_remap_cpu, "CPU")
+# Inference ops: autograd passes straight through (a C++ fallthrough, no per-call Python cost); the
+# outputs carry no grad_fn, so a backward through them fails instead of silently computing nothing.
+for _name in SCHEMAS:
+    LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 LIB.impl("ep_remap", _ep_remap_cuda, "CUDA")

@@ -41,8 +41,9 @@ def ep_remap(topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_offset: 
     ok = (topk_ids >= 0) & (lid >= 0) & (lid < num_local_experts)
     big = torch.iinfo(torch.int64).max
     masked = torch.where(ok, lid, big)
-    if lid.numel() == 0:
-        return lid.to(torch.int32).contiguous(), topk_weights.to(torch.float32).contiguous()
+    if lid.numel() == 0:  # fresh outputs, never views of the inputs
+        return topk_ids.new_empty(topk_ids.shape, dtype=torch.int32), topk_weights.new_empty(
+            topk_weights.shape, dtype=torch.float32)
     row_min = masked.amin(dim=1, keepdim=True)
     batch_min = masked.amin()
     batch_fill = torch.where(batch_min < num_local_experts, batch_min, 0)
