@@ -58,6 +58,7 @@ class ExpertsSpec:
     max_tokens: int
     capacities: tuple[int, ...]  # sorted planned token counts; the last is the chunk size
     options: dict[str, Any]
+    decode_token_counts: tuple[int, ...] = ()  # the caller's exact counts, as given
 
 
 class PreparedExperts:
@@ -293,6 +294,7 @@ def prepare_experts(
         max_tokens=max_tokens,
         capacities=capacities,
         options=dict(backend_options),
+        decode_token_counts=tuple(sorted(set(decode_token_counts))),
     )
     if device.type == "meta":
         # A model built on the meta device traces through the fake kernels; nothing runs.
@@ -300,5 +302,10 @@ def prepare_experts(
     else:
         module = backends.select(backend, device)
     state = module.prepare(spec)
+    if hasattr(module, "planned_capacities"):
+        # A backend may plan other token counts than asked (b12x drops those above its per-launch
+        # limit): the handle records what it planned, and the top count is its chunk size.
+        spec.capacities = tuple(module.planned_capacities(state))
+        spec.max_tokens = spec.capacities[-1]
     memory = module.memory_report(state) if hasattr(module, "memory_report") else {}
     return PreparedExperts(spec=spec, backend_name=module.NAME, run=module.run, state=state, memory=memory)
