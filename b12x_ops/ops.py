@@ -78,7 +78,35 @@ def _check_routing(op: str, topk_ids: torch.Tensor, topk_weights: torch.Tensor) 
 
 
 def check_moe_args(op, x, topk_ids, topk_weights, experts, out=None) -> None:
-    """Everything the contract's Errors section names, before any kernel runs. Cheap: no sync."""
+    """Everything the contract's Errors section names, before any kernel runs. Cheap: no sync.
+
+    One fast test of the common, valid call (a handful of attribute reads); anything off falls to
+    ``_explain_bad_args``, which finds the first bad argument and raises a message naming it.
+    """
+    if type(experts) is PreparedExperts:
+        xs = x.shape
+        ids_shape = topk_ids.shape
+        dev = x.device
+        if (
+            len(xs) == 2
+            and xs[1] == experts.hidden_size
+            and ids_shape == (xs[0], experts.top_k)
+            and topk_weights.shape == ids_shape
+            and x.dtype in _X_DTYPES
+            and topk_ids.dtype in _ID_DTYPES
+            and topk_weights.dtype in _W_DTYPES
+            and dev == experts.device
+            and topk_ids.device == dev
+            and topk_weights.device == dev
+            and (x.stride(1) == 1 or xs[1] == 1)
+            and (out is None or (out.shape == xs and out.dtype == x.dtype and out.device == dev
+                                 and (out.stride(1) == 1 or xs[1] == 1)))
+        ):
+            return
+    _explain_bad_args(op, x, topk_ids, topk_weights, experts, out)
+
+
+def _explain_bad_args(op, x, topk_ids, topk_weights, experts, out) -> None:
     if not isinstance(experts, PreparedExperts):
         raise _bad(op, "experts", "a PreparedExperts from b12x_ops.prepare_experts", type(experts).__name__)
     if x.dtype not in _X_DTYPES:
@@ -107,6 +135,7 @@ def check_moe_args(op, x, topk_ids, topk_weights, experts, out=None) -> None:
             raise _bad(op, "out", f"device {x.device} (x's)", out.device)
         if out.stride(1) != 1 and out.shape[1] > 1:
             raise _bad(op, "out", "a contiguous last dim (stride 1)", f"strides {list(out.stride())}")
+    # every rule passed: the call is valid after all (the fast test is only ever stricter)
 
 
 # ---------------------------------------------------------------------------------------- moe_w4a8

@@ -1,0 +1,85 @@
+"""Host cost of one eager op call, the kernels left out.
+
+Times ``torch.ops.b12x.moe_w4a8_out`` on a handle whose backend launch is replaced by a no-op, so
+what remains is the dispatcher, argument checks and the plan lookup: the per-call overhead this
+package adds above the kernels. For scale it also times an empty op registered with
+``torch.library.custom_op`` and one with ``Library.define`` + ``impl``, and a bare Python call.
+
+    python benchmarks/dispatch_overhead.py [--device cpu|cuda] [--calls 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import b12x_ops
+
+
+def _per_call_us(fn, calls: int) -> float:
+    for _ in range(min(1000, calls)):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def measure(device: str = "cpu", calls: int = 20000) -> dict[str, float]:
+    E, K, N, top_k, M = 8, 256, 128, 4, 4
+    w13, s13 = b12x_ops.quantize_mxfp4(torch.randn(E, 2 * N, K) * 0.05)
+    w2, s2 = b12x_ops.quantize_mxfp4(torch.randn(E, K, N) * 0.05)
+    h = b12x_ops.prepare_experts(w13.to(device), s13.to(device), w2.to(device), s2.to(device), top_k=top_k,
+                                 backend="reference")
+    h._run = lambda state, x, ids, w, out: None  # the launch left out: what remains is our overhead
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    ids = torch.randint(0, E, (M, top_k), dtype=torch.int32, device=device)
+    w = torch.rand(M, top_k, device=device)
+    out = torch.empty_like(x)
+
+    lib = torch.library.Library("b12x_ops_bench", "FRAGMENT")
+    lib.define("noop_out(Tensor x, Tensor(a!) out) -> ()")
+    lib.impl("noop_out", lambda x, out: None, "CPU")
+    lib.impl("noop_out", lambda x, out: None, "CUDA")
+
+    @torch.library.custom_op("b12x_ops_bench::noop_custom", mutates_args=("out",))
+    def noop_custom(x: torch.Tensor, out: torch.Tensor) -> None:
+        return None
+
+    def bare(x, ids, w, h, out):
+        return None
+
+    op = torch.ops.b12x.moe_w4a8_out.default
+    results = {
+        "bare python call": _per_call_us(lambda: bare(x, ids, w, h, out), calls),
+        "Library.define + impl, empty": _per_call_us(lambda: torch.ops.b12x_ops_bench.noop_out.default(x, out), calls),
+        "torch.library.custom_op, empty": _per_call_us(lambda: noop_custom(x, out), calls),
+        "b12x::moe_w4a8_out, launch left out": _per_call_us(lambda: op(x, ids, w, h, out), calls),
+    }
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--json", help="also write the numbers here")
+    a = p.parse_args()
+    res = measure(a.device, a.calls)
+    print(f"| per-call host time on {a.device} (torch {torch.__version__}) | us |")
+    print("| --- | --- |")
+    for k, v in res.items():
+        print(f"| {k} | {v:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": a.device, "torch": torch.__version__, "us_per_call": res}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
