@@ -1,0 +1,256 @@
+"""The Triton backend: our own W4A8 MX MoE kernels for CUDA GPUs of sm_80 and newer.
+
+Options (``prepare_experts(..., backend="triton", **options)``):
+
+* ``tune`` (bool, default True on a GPU): time a few configurations per planned token count once
+  per geometry and GPU; results are cached on disk (``cache_dir``, else ``$B12X_OPS_CACHE_DIR``,
+  else ``~/.cache/b12x_ops``) and reused by later processes. ``False`` uses the built-in defaults.
+* ``cache_dir`` (str): where the tuning cache lives.
+* ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
+  prepare raises instead of compiling (by construction every planned count is compiled).
+
+The per-call path (``run``) is four precompiled launches (see ``kernels.py``) and no host sync.
+Under ``TRITON_INTERPRET=1`` the backend also runs on the CPU, with fp32 operands (the CPU
+interpreter gets bf16 ``tl.dot`` wrong), which is how CI tests the kernels' logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import weakref
+
+import torch
+
+NAME = "triton"
+_OPTIONS = ("tune", "cache_dir", "frozen")
+_SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    device = torch.device(device)
+    if device.type == "cpu" and _interpret():
+        return None  # the CPU interpreter (tests)
+    if device.type != "cuda":
+        return f"needs a CUDA device (got {device.type}; TRITON_INTERPRET=1 runs it on the CPU, slowly)"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    cc = torch.cuda.get_device_capability(device)
+    if cc < (8, 0):
+        return f"needs compute capability 8.0 or newer, the device has {cc[0]}.{cc[1]}"
+    return None
+
+
+@dataclasses.dataclass
+class State:
+    plans: object  # plan.GeometryPlans, shared by the geometry's handles
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    g13: torch.Tensor
+    g2: torch.Tensor
+    expert_offset: int
+    limit: float
+    checkpoint_bytes: int
+
+
+def prepare(spec) -> State:
+    from . import plan as P
+
+    unknown = sorted(set(spec.options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"prepare_experts: backend 'triton' options: expected some of {_OPTIONS}, got {unknown}")
+    g = spec.geometry
+    on_gpu = g.device.type == "cuda"
+    tune = bool(spec.options.get("tune", on_gpu)) and on_gpu and not P.INTERPRET
+    frozen = bool(spec.options.get("frozen", True))
+
+    shared = _SHARED.get(g)
+    if shared is None:
+        shared = P.GeometryPlans(g)
+        _SHARED[g] = shared
+    ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
+
+    def dense(t):
+        return t if t.is_contiguous() else t.contiguous()
+
+    state = State(
+        plans=shared, w13=dense(spec.w13), w13_scale=dense(spec.w13_scale), w2=dense(spec.w2),
+        w2_scale=dense(spec.w2_scale),
+        g13=spec.w13_global_scale if spec.w13_global_scale is not None else ones,
+        g2=spec.w2_global_scale if spec.w2_global_scale is not None else ones,
+        expert_offset=spec.expert_offset, limit=float(g.swiglu_limit or 0.0),
+        checkpoint_bytes=sum(t.numel() * t.element_size() for t in (spec.w13, spec.w13_scale, spec.w2, spec.w2_scale)),
+    )
+    missing = [c for c in spec.capacities if c not in shared.configs]
+    if missing:
+        chosen = _choose_configs(state, missing, tune, spec.options.get("cache_dir"))
+        for cap in missing:
+            shared.add(cap, chosen[cap])
+        if not P.INTERPRET:
+            progress = P.Progress("compiling and warming the triton kernels", len(missing))
+            for cap in missing:
+                _warm(state, cap)
+                progress.step(f"{cap} tokens")
+            torch.cuda.synchronize(g.device)
+    if frozen and not P.INTERPRET:
+        for ln in shared.launches.values():
+            ln.frozen = True
+    return state
+
+
+def _synthetic_batch(state, m, seed=0):
+    g = state.plans.geometry
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    scores = torch.rand(m, g.num_experts, generator=gen)
+    ids = scores.topk(g.top_k, dim=1).indices.to(torch.int32) + state.expert_offset
+    w = torch.rand(m, g.top_k, generator=gen)
+    x = torch.randn(m, g.hidden_size, generator=gen).to(torch.bfloat16)
+    dev = g.device
+    return x.to(dev), ids.to(dev), w.to(dev)
+
+
+def _warm(state, cap):
+    x, ids, w = _synthetic_batch(state, cap)
+    out = torch.empty_like(x)
+    run(state, x, ids, w, out)
+
+
+def _choose_configs(state, caps, tune, cache_dir_opt):
+    from . import plan as P
+
+    g = state.plans.geometry
+    if not tune:
+        return {c: P.default_config(c, g) for c in caps}
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt))
+    cached = P.load_cache(path)
+    todo = [c for c in caps if c not in cached]
+    if todo:
+        progress = P.Progress(f"tuning triton MoE kernels (E={g.num_experts}, K={g.hidden_size}, "
+                              f"N={g.intermediate_size})", len(todo))
+        for cap in todo:
+            cached[cap] = _tune_one(state, cap)
+            progress.step(f"{cap} tokens -> bm={cached[cap].bm}")
+        P.save_cache(path, P.load_cache(path) | cached, g)
+    return {c: cached[c] for c in caps}
+
+
+def _time_ms(fn, reps=5):
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    fn()
+    ts = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end))
+    return sorted(ts)[len(ts) // 2]
+
+
+def _tune_one(state, cap):
+    """Per block size, the fastest GEMM1 and GEMM2 configs (timed separately), then the best pair."""
+    from . import plan as P
+
+    gp = state.plans
+    g = gp.geometry
+    x, ids, w = _synthetic_batch(state, cap, seed=1)
+    out = torch.empty_like(x)
+    cands = P.candidate_configs(cap, g)
+    best = None
+    for bm in sorted({c.bm for c in cands}):
+        group = [c for c in cands if c.bm == bm]
+        gp.reserve(cap, group[0])
+        # routing for this block size, once
+        _launch_all(state, group[0], x, ids, w, out, stages=("prologue",))
+        t1 = {}
+        t2 = {}
+        for c in group:
+            k1 = (c.bn1, c.bk1, c.warps1, c.stages1)
+            k2 = (c.bn2, c.bk2, c.warps2, c.stages2)
+            try:
+                if k1 not in t1:
+                    t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm1",)))
+                if k2 not in t2:
+                    t2[k2] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm2",)))
+            except Exception as exc:  # a config the GPU cannot run (shared memory, registers)
+                P.log.info("config %s failed: %s", c, exc)
+                t1.setdefault(k1, float("inf"))
+                t2.setdefault(k2, float("inf"))
+        b1 = min(t1, key=t1.get)
+        b2 = min(t2, key=t2.get)
+        total = t1[b1] + t2[b2]
+        if best is None or total < best[0]:
+            best = (total, P.Config(bm, *b1, *b2, group[0].atomic))
+    return best[1]
+
+
+def run(state, x, topk_ids, topk_weights, out) -> None:
+    m = x.shape[0]
+    if m == 0:
+        return
+    gp = state.plans
+    _, cfg = gp.plan_for(m)
+    if not cfg.atomic and m > gp.slot_chunk:
+        step = gp.slot_chunk
+        for s in range(0, m, step):
+            e = min(s + step, m)
+            _launch_all(state, cfg, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e])
+        return
+    _launch_all(state, cfg, x, topk_ids, topk_weights, out)
+
+
+_ALL = ("prologue", "gemm1", "gemm2", "finalize")
+
+
+def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
+    from .kernels import num_blocks
+    from .plan import FINALIZE, PROLOGUE
+
+    gp = state.plans
+    g = gp.geometry
+    a = gp.arena.buffers
+    m = x.shape[0]
+    S = m * g.top_k
+    bm = cfg.bm
+    nb = num_blocks(S, g.num_experts, bm)
+    dst = a["acc"] if cfg.atomic else a["slots"]
+    if "prologue" in stages:
+        gp.launch("prologue", cfg)(
+            (1 + -(-m // PROLOGUE["QR"]),),
+            topk_ids, topk_weights, x, a["xq"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
+            a["blk_rows"], a["cursor"], m, topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0),
+            topk_weights.stride(1), x.stride(0), state.expert_offset, nb)
+    if "gemm1" in stages:
+        gp.launch("gemm1", cfg)(
+            (nb * -(-g.intermediate_size // cfg.bn1),),
+            a["xq"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, a["act"],
+            nb, state.limit)
+    if "gemm2" in stages:
+        gp.launch("gemm2", cfg)(
+            (nb * -(-g.hidden_size // cfg.bn2),),
+            a["act"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"], dst,
+            nb)
+    if "finalize" in stages:
+        gp.launch("finalize", cfg)(
+            (-(-m // FINALIZE["BR"]), -(-g.hidden_size // FINALIZE["BK"])),
+            dst, a["lid"], out, m, out.stride(0))
+
+
+def memory_report(state) -> dict[str, int]:
+    held = sum(t.numel() * t.element_size() for t in (state.w13, state.w13_scale, state.w2, state.w2_scale))
+    return {
+        "device_bytes": held,  # the MXFP4 bytes only (no repack, no bf16 copy)
+        "checkpoint_bytes": state.checkpoint_bytes,
+        "shared_scratch_bytes": state.plans.arena.nbytes(),  # one arena per geometry, shared by its layers
+    }

@@ -1,0 +1,313 @@
+"""The four stage kernels of the Triton W4A8 MoE, each with its pure-torch twin beside it.
+
+One call is four launches with grids derived from shapes only (no host sync):
+
+1. ``prologue``: program 0 routes (local ids, slot weights, a per-expert histogram, expert blocks
+   of ``BM`` rows, and the slots scattered into those blocks); every other program quantizes
+   ``QR`` rows of ``x`` to MXFP8 (stored dequantized, exact in bf16) and zeroes their rows of the
+   fp32 accumulator when the reduction uses atomics.
+2. ``gemm1``: per (expert block, N tile): ``h = dq8(x) @ W13[e]^T`` with the MXFP4 weights decoded
+   in registers, the global scale, SwiGLU (+ limit) and the MXFP8 quant-dequant of the result.
+3. ``gemm2``: per (expert block, K tile): ``y = dq8(a) @ W2[e]^T`` times the global scale and the
+   router weight, added into the fp32 accumulator (atomics) or stored per slot (deterministic).
+4. ``finalize``: the accumulator (or the sum of a token's slots, in slot order) rounded once to
+   the output dtype.
+
+Padding and foreign slots are routed to no block, so they cost no GEMM work; blocks past the
+batch's real ones exit at their first load.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import swiglu as swiglu_torch
+from ...mx import dequantize_mxfp4, quant_dequant_mxfp8
+from .mxtl import decode_mxfp4_pair, quant_dequant_mxfp8_tile
+
+
+def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
+    """Upper bound on expert blocks of ``bm`` rows: every expert's partial block plus full ones."""
+    if num_slots == 0:
+        return 0
+    return triton.cdiv(num_slots, bm) + min(num_experts, num_slots)
+
+
+# ------------------------------------------------------------------------------------- prologue
+def _jit(*, dns, dnsa=()):
+    """``triton.jit`` for kernels launched precompiled: arguments that change from call to call
+    (sizes, strides, the caller's tensors) must not be specialized on, or a kernel compiled for
+    one batch would assume facts (divisibility, alignment) another batch breaks."""
+    try:
+        return triton.jit(do_not_specialize=dns, do_not_specialize_on_alignment=dnsa)
+    except TypeError:  # older triton: no alignment switch; do_not_specialize covers both there
+        return triton.jit(do_not_specialize=tuple(dns) + tuple(dnsa))
+
+
+@_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "stride_xm", "expert_offset", "nblocks"),
+      dnsa=("ids_ptr", "wts_in_ptr", "x_ptr"))
+def prologue_kernel(
+    ids_ptr, wts_in_ptr, x_ptr, xq_ptr, acc_ptr,
+    lid_ptr, wts_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, cursor_ptr,
+    M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks,
+    K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+    CH: tl.constexpr, BCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr, ZERO_ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid == 0:
+        # ---- routing, one program: histogram, expert blocks, scatter
+        S = M * TOPK
+        eidx = tl.arange(0, E_PAD)
+        counts = tl.zeros((E_PAD,), dtype=tl.int32)
+        for c0 in range(0, S, CH):
+            s = c0 + tl.arange(0, CH)
+            sm = s < S
+            m = s // TOPK
+            j = s - m * TOPK
+            gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + j * stride_ik, mask=sm, other=-1).to(tl.int64)
+            lid = gid - expert_offset
+            ok = sm & (gid >= 0) & (lid >= 0) & (lid < E)
+            w = tl.load(wts_in_ptr + m.to(tl.int64) * stride_wm + j * stride_wk, mask=sm, other=0.0).to(tl.float32)
+            lid32 = tl.where(ok, lid, -1).to(tl.int32)
+            tl.store(lid_ptr + s, lid32, mask=sm)
+            tl.store(wts_ptr + s, tl.where(ok, w, 0.0), mask=sm)
+            counts += tl.histogram(tl.where(ok, lid32, E), E_PAD)
+        nblk = tl.where(eidx < E, (counts + BM - 1) // BM, 0)
+        blk_end = tl.cumsum(nblk, 0)
+        blk_start = blk_end - nblk
+        tl.store(cursor_ptr + eidx, blk_start * BM)
+        for b0 in range(0, nblocks, BCH):
+            b = b0 + tl.arange(0, BCH)
+            ex = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+            used = ex < E
+            onehot = eidx[None, :] == ex[:, None]
+            st = tl.sum(tl.where(onehot, blk_start[None, :], 0), axis=1)
+            cnt = tl.sum(tl.where(onehot, counts[None, :], 0), axis=1)
+            rows = tl.minimum(cnt - (b - st) * BM, BM)
+            tl.store(blk_expert_ptr + b, tl.where(used, ex, -1), mask=b < nblocks)
+            tl.store(blk_rows_ptr + b, tl.where(used, rows, 0), mask=b < nblocks)
+        tl.debug_barrier()
+        for c0 in range(0, S, CH):
+            s = c0 + tl.arange(0, CH)
+            sm = s < S
+            lid = tl.load(lid_ptr + s, mask=sm, other=-1)
+            ok = lid >= 0
+            pos = tl.atomic_add(cursor_ptr + tl.where(ok, lid, 0), 1, mask=ok, sem="relaxed")
+            tl.store(sorted_ptr + pos, s, mask=ok)
+    else:
+        # ---- MXFP8 quant-dequant of QR rows of x (and zeroing of their accumulator rows)
+        rows = (pid - 1) * QR + tl.arange(0, QR)
+        rm = rows < M
+        for k0 in range(0, K, QK):
+            ks = k0 + tl.arange(0, QK)
+            msk = rm[:, None] & (ks < K)[None, :]
+            v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0.0)
+            q = quant_dequant_mxfp8_tile(v.to(tl.float32), QR, QK)
+            tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], q, mask=msk)
+            if ZERO_ACC:
+                tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32), mask=msk)
+
+
+def route_torch(topk_ids, topk_weights, expert_offset, num_experts, bm):
+    """Twin of the routing half of ``prologue_kernel``.
+
+    Returns ``(lid, wts, sorted_slots, blk_expert, blk_rows)`` with slots inside each expert in
+    token order (the kernel's order within an expert is unspecified; tests compare sets).
+    """
+    m, top_k = topk_ids.shape
+    S = m * top_k
+    gid = topk_ids.reshape(-1).to(torch.int64)
+    lid = gid - expert_offset
+    ok = (gid >= 0) & (lid >= 0) & (lid < num_experts)
+    lid32 = torch.where(ok, lid, -1).to(torch.int32)
+    wts = torch.where(ok, topk_weights.reshape(-1).to(torch.float32), 0.0)
+    nb = num_blocks(S, num_experts, bm)
+    counts = torch.bincount(lid[ok], minlength=num_experts)[:num_experts]
+    nblk = (counts + bm - 1) // bm
+    starts = torch.cumsum(nblk, 0) - nblk
+    blk_expert = torch.full((nb,), -1, dtype=torch.int32)
+    blk_rows = torch.zeros(nb, dtype=torch.int32)
+    sorted_slots = torch.full((nb * bm,), -1, dtype=torch.int32)
+    for e in range(num_experts):
+        slots = ok.nonzero().squeeze(1)[lid[ok] == e]
+        for i in range(int(nblk[e])):
+            b = int(starts[e]) + i
+            blk_expert[b] = e
+            blk_rows[b] = min(bm, int(counts[e]) - i * bm)
+        sorted_slots[int(starts[e]) * bm: int(starts[e]) * bm + len(slots)] = slots.to(torch.int32)
+    return lid32, wts, sorted_slots, blk_expert, blk_rows
+
+
+# ---------------------------------------------------------------------------------------- gemm1
+@_jit(dns=("nblocks",))
+def gemm1_kernel(
+    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
+    nblocks, limit,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % nblocks
+    pid_n = pid // nblocks
+    e = tl.load(blk_expert_ptr + pid_m)
+    if e < 0:
+        return
+    nrows = tl.load(blk_rows_ptr + pid_m)
+    offs_r = tl.arange(0, BM)
+    rvalid = offs_r < nrows
+    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    tok = (slot // TOPK).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < N
+    if UP_FIRST:
+        up_rows = offs_n
+        gate_rows = offs_n + N
+    else:
+        up_rows = offs_n + N
+        gate_rows = offs_n
+    KH: tl.constexpr = K // 2
+    KS: tl.constexpr = K // 32
+    BKH: tl.constexpr = BK // 2
+    w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
+    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
+    offs_h = tl.arange(0, BKH)
+    offs_s = tl.arange(0, BK // 32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    x_rows = xq_ptr + tok[:, None] * K
+    for k0 in range(0, K, BK):
+        hmask = (k0 // 2 + offs_h) < KH
+        smask = (k0 // 32 + offs_s) < KS
+        xm = rvalid[:, None] & hmask[None, :]
+        xe = tl.load(x_rows + k0 + 2 * offs_h[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
+        xo = tl.load(x_rows + k0 + 1 + 2 * offs_h[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
+        wm = nvalid[:, None] & hmask[None, :]
+        sm = nvalid[:, None] & smask[None, :]
+        cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
+        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
+        ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE)
+        acc_u = tl.dot(xe, tl.trans(ue), acc_u)
+        acc_u = tl.dot(xo, tl.trans(uo), acc_u)
+        cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
+        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
+        ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE)
+        acc_g = tl.dot(xe, tl.trans(ge), acc_g)
+        acc_g = tl.dot(xo, tl.trans(go), acc_g)
+    if HAS_GS:
+        g = tl.load(gs_ptr + e)
+        acc_u = acc_u * g
+        acc_g = acc_g * g
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = quant_dequant_mxfp8_tile(act, BM, BN)
+    rows = (pid_m * BM + offs_r).to(tl.int64)
+    tl.store(a_ptr + rows[:, None] * N + offs_n[None, :], act, mask=rvalid[:, None] & nvalid[None, :])
+
+
+def gemm1_torch(xq_rows, w13, w13_scale, e, layout, limit, g13=None):
+    """Twin of ``gemm1_kernel`` for one expert: dq8 rows ``[T, K]`` fp32 to ``dq8(a)`` ``[T, N]``."""
+    w = dequantize_mxfp4(w13[e], w13_scale[e])
+    h = xq_rows @ w.T
+    if g13 is not None:
+        h = h * g13[e]
+    n = w.shape[0] // 2
+    up, gate = (h[:, :n], h[:, n:]) if layout == "w13" else (h[:, n:], h[:, :n])
+    return quant_dequant_mxfp8(swiglu_torch(gate, up, limit))
+
+
+# ---------------------------------------------------------------------------------------- gemm2
+@_jit(dns=("nblocks",))
+def gemm2_kernel(
+    a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+    nblocks,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """``dst`` is the fp32 ``[M, K]`` accumulator (ATOMIC) or the per-slot ``[M * TOPK, K]`` buffer.
+    Here BN tiles the output (K) and BK the reduction (N)."""
+    pid = tl.program_id(0)
+    pid_m = pid % nblocks
+    pid_n = pid // nblocks
+    e = tl.load(blk_expert_ptr + pid_m)
+    if e < 0:
+        return
+    nrows = tl.load(blk_rows_ptr + pid_m)
+    offs_r = tl.arange(0, BM)
+    rvalid = offs_r < nrows
+    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    offs_o = pid_n * BN + tl.arange(0, BN)
+    ovalid = offs_o < K
+    NH: tl.constexpr = N // 2
+    NS: tl.constexpr = N // 32
+    BKH: tl.constexpr = BK // 2
+    w_e = w_ptr + e.to(tl.int64) * (K * NH)
+    s_e = s_ptr + e.to(tl.int64) * (K * NS)
+    offs_h = tl.arange(0, BKH)
+    offs_s = tl.arange(0, BK // 32)
+    a_rows = a_ptr + (pid_m * BM + offs_r).to(tl.int64)[:, None] * N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for n0 in range(0, N, BK):
+        hmask = (n0 // 2 + offs_h) < NH
+        smask = (n0 // 32 + offs_s) < NS
+        am = rvalid[:, None] & hmask[None, :]
+        ae = tl.load(a_rows + n0 + 2 * offs_h[None, :], mask=am, other=0.0).to(DOT_DTYPE)
+        ao = tl.load(a_rows + n0 + 1 + 2 * offs_h[None, :], mask=am, other=0.0).to(DOT_DTYPE)
+        c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=ovalid[:, None] & hmask[None, :], other=0)
+        s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=ovalid[:, None] & smask[None, :], other=0)
+        we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE)
+        acc = tl.dot(ae, tl.trans(we), acc)
+        acc = tl.dot(ao, tl.trans(wo), acc)
+    if HAS_GS:
+        acc = acc * tl.load(gs_ptr + e)
+    acc = acc * tl.load(wts_ptr + slot, mask=rvalid, other=0.0)[:, None]
+    msk = rvalid[:, None] & ovalid[None, :]
+    if ATOMIC:
+        tok = (slot // TOPK).to(tl.int64)
+        tl.atomic_add(dst_ptr + tok[:, None] * K + offs_o[None, :], acc, mask=msk, sem="relaxed")
+    else:
+        tl.store(dst_ptr + slot.to(tl.int64)[:, None] * K + offs_o[None, :], acc, mask=msk)
+
+
+def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
+    """Twin of ``gemm2_kernel`` for one expert: weighted ``dq8(a) @ W2[e]^T`` rows, fp32 ``[T, K]``."""
+    y = a_rows @ dequantize_mxfp4(w2[e], w2_scale[e]).T
+    if g2 is not None:
+        y = y * g2[e]
+    return y * weights[:, None]
+
+
+# ------------------------------------------------------------------------------------- finalize
+@_jit(dns=("M", "stride_om"), dnsa=("out_ptr",))
+def finalize_kernel(
+    src_ptr, lid_ptr, out_ptr, M, stride_om,
+    K: tl.constexpr, TOPK: tl.constexpr, ATOMIC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BR + tl.arange(0, BR)
+    rm = rows < M
+    ks = pid_k * BK + tl.arange(0, BK)
+    msk = rm[:, None] & (ks < K)[None, :]
+    r64 = rows.to(tl.int64)
+    if ATOMIC:
+        acc = tl.load(src_ptr + r64[:, None] * K + ks[None, :], mask=msk, other=0.0)
+    else:
+        acc = tl.zeros((BR, BK), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            ok = tl.load(lid_ptr + r64 * TOPK + j, mask=rm, other=-1) >= 0
+            acc += tl.load(src_ptr + (r64 * TOPK + j)[:, None] * K + ks[None, :], mask=msk & ok[:, None], other=0.0)
+    tl.store(out_ptr + r64[:, None] * stride_om + ks[None, :], acc.to(out_ptr.dtype.element_ty), mask=msk)
+
+
+def finalize_torch(per_slot, lid, m, top_k, dtype):
+    """Twin of ``finalize_kernel`` (slot mode): sum a token's local slots in slot order, round once."""
+    y = per_slot.reshape(m, top_k, -1) * (lid.reshape(m, top_k, 1) >= 0)
+    acc = torch.zeros(m, y.shape[-1], dtype=torch.float32)
+    for j in range(top_k):
+        acc += y[:, j]
+    return acc.to(dtype)

@@ -1,0 +1,82 @@
+"""MX numerics inside Triton kernels: E2M1 decode and bit-exact MXFP8 quantize-dequantize.
+
+These are ``@triton.jit`` helpers the stage kernels inline. Their pure-torch twins are in
+``b12x_ops.mx`` (``dequantize_mxfp4``, ``quant_dequant_mxfp8``); ``tests/test_triton_interp.py``
+checks them bit for bit under the CPU interpreter.
+
+Why the values fit a bf16 ``tl.dot`` exactly: an E2M1 value times an E8M0 scale has at most 2
+significant bits, an MXFP8 value (E4M3 payload times a power of two) at most 4; bf16 keeps 8.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e2m1_bits_bf16(nib):
+    """bf16 bit pattern (int32) of the E2M1 code ``nib`` (0..15).
+
+    A code ``s e1 e0 m`` with exponent field ``em >> 1 > 0`` is ``2^(e-1) * (1 + m/2)``: bf16
+    exponent ``126 + e``, top mantissa bit ``m``, i.e. ``(em << 6) + (126 << 7)``. Code 1 is 0.5, 0 is 0.
+    """
+    em = nib & 7
+    bits = tl.where(em >= 2, (em << 6) + (126 << 7), tl.where(em == 1, 0x3F00, 0))
+    return bits | ((nib & 8) << 12)
+
+
+@triton.jit
+def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Decode a ``[BR, BKH]`` tile of MXFP4 bytes into its even and odd elements.
+
+    ``scale_bytes`` is the ``[BR, BKH // 16]`` E8M0 bytes of the tile (one per 16 bytes = 32
+    elements). Returns ``(even, odd)``, each ``[BR, BKH]`` in ``OUT_DTYPE``: ``even[:, i]`` is
+    element ``2i`` of the tile (the low nibble of byte ``i``), ``odd[:, i]`` element ``2i + 1``.
+    """
+    c = codes.to(tl.int32)
+    lo = e2m1_bits_bf16(c & 15).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = e2m1_bits_bf16(c >> 4).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    # 2^(byte - 127) on its bits (byte 0 gives 0 instead of 2^-127: below any useful weight).
+    sc = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
+    even = (lo.to(tl.float32) * sc).to(OUT_DTYPE)
+    odd = (hi.to(tl.float32) * sc).to(OUT_DTYPE)
+    return even, odd
+
+
+@triton.jit
+def round_e4m3(v):
+    """Round fp32 ``v`` with ``|v| <= 448`` to the nearest E4M3 value, ties to even (as fp32)."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal range (|v| >= 2^-6): keep 3 mantissa bits, round half to even on the bit pattern
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = 0xFFF00000
+    # subnormal range: multiples of 2^-9; adding 2^14 (whose ulp is 2^-9) rounds half to even
+    sub = (a + 16384.0) - 16384.0
+    r = tl.where(a >= 0.015625, normal, sub)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def quant_dequant_mxfp8_tile(v, BR: tl.constexpr, BC: tl.constexpr):
+    """MXFP8 quantize-dequantize of an fp32 ``[BR, BC]`` tile per 32 along its columns.
+
+    Bit-exact with ``b12x_ops.mx.quant_dequant_mxfp8``: block scale ``amax * (1/448)`` rounded up
+    to a power of two on its bits, payload ``v * 2^(127 - byte)`` (0 for byte 0 or >= 254) clamped
+    to +-448 and rounded to E4M3, times the power of two.
+    """
+    blocks = tl.reshape(v, (BR, BC // 32, 32))
+    amax = tl.max(tl.abs(blocks), axis=2)
+    scale = amax * 0.002232142857142857  # fp32(1/448)
+    bits = scale.to(tl.int32, bitcast=True)
+    up = tl.where((bits & 0x7FFFFF) != 0, (bits + 0x800000) & 0x7F800000, bits)
+    byte = (up >> 23) & 0xFF
+    pow2 = up.to(tl.float32, bitcast=True)
+    inv = (tl.maximum(254 - byte, 0) << 23).to(tl.float32, bitcast=True)
+    inv = tl.where(byte == 0, 0.0, inv)
+    payload = blocks * inv[:, :, None]
+    payload = tl.minimum(tl.maximum(payload, -448.0), 448.0)
+    out = round_e4m3(payload) * pow2[:, :, None]
+    return tl.reshape(out, (BR, BC))

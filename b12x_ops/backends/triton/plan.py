@@ -1,0 +1,298 @@
+"""Plans, the shared scratch arena and precompiled launches for the Triton backend.
+
+Everything here runs at ``prepare`` time except ``Launch.__call__`` and ``GeometryPlans.plan_for``,
+which are the per-call path: a bisect, a few integer divisions and direct launches of kernels
+compiled at prepare (so an op call cannot compile: a missing kernel raises).
+
+Handles of one ``Geometry`` share one ``GeometryPlans``: its configs per planned token count, its
+compiled kernels and one scratch arena sized for its largest plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from . import kernels as K_
+
+log = logging.getLogger("b12x_ops.triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+PROLOGUE = dict(CH=1024, BCH=32, QR=4, QK=512, warps=8)
+FINALIZE = dict(BR=4, BK=512, warps=4)
+# Deterministic mode keeps one fp32 row per slot; above this many bytes a launch is split in chunks.
+SLOT_BUFFER_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One planned token count's kernel configuration."""
+
+    bm: int  # rows per expert block (both GEMMs)
+    bn1: int  # GEMM1 N tile (columns of up and of gate)
+    bk1: int  # GEMM1 K step
+    warps1: int
+    stages1: int
+    bn2: int  # GEMM2 output (K) tile
+    bk2: int  # GEMM2 reduction (N) step
+    warps2: int
+    stages2: int
+    atomic: bool  # reduce into an fp32 accumulator with atomics (else per-slot rows, deterministic)
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def default_config(tokens: int, geometry) -> Config:
+    """A good configuration without tuning, by rows per touched expert."""
+    g = geometry
+    slots = tokens * g.top_k
+    rows = slots / max(1, min(g.num_experts, slots))
+    atomic = not g.deterministic and slots > 256
+    if rows <= 16:
+        return Config(16, 32, 256, 4, 4, 32, 256, 4, 4, atomic)
+    if rows <= 48:
+        return Config(32, 64, 128, 4, 3, 64, 128, 4, 3, atomic)
+    if rows <= 128:
+        return Config(64, 64, 128, 4, 3, 64, 128, 4, 3, atomic)
+    return Config(128, 64, 128, 8, 3, 128, 64, 8, 3, atomic)
+
+
+def candidate_configs(tokens: int, geometry) -> list[Config]:
+    """The small search space the tuner times for one token count."""
+    base = default_config(tokens, geometry)
+    out = {base}
+    bms = {16: (16,), 32: (16, 32), 64: (32, 64), 128: (64, 128)}[base.bm]
+    g1 = [(32, 256, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 8, 3)]
+    g2 = [(32, 256, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 8, 3)]
+    for bm in bms:
+        for a in g1:
+            for b in g2:
+                if bm >= 64 and (a[0] < 64 or b[0] < 64):
+                    continue
+                out.add(Config(bm, *a, *b, base.atomic))
+    return sorted(out, key=lambda c: dataclasses.astuple(c))
+
+
+class Launch:
+    """One stage kernel with fixed compile-time parameters, launched precompiled after prepare."""
+
+    def __init__(self, fn, constexprs: dict[str, Any], num_warps: int, num_stages: int):
+        self.fn = fn
+        self.constexprs = constexprs
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+        self.compiled = None
+        self.frozen = False
+        names = fn.arg_names
+        self._cx_pos = [(names.index(k), v) for k, v in constexprs.items()]
+
+    def _full_args(self, args):
+        full = list(args)
+        for pos, v in sorted(self._cx_pos):
+            full.insert(pos, v)
+        return full
+
+    def __call__(self, grid, *args):
+        ck = self.compiled
+        if ck is None:
+            if self.frozen:
+                raise RuntimeError(
+                    f"b12x_ops triton backend: kernel {self.fn.__name__} {self.constexprs} was not compiled at "
+                    f"prepare time and the handle is frozen (an op call never compiles)")
+            ck = self.fn[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+            if not INTERPRET:
+                self.compiled = ck
+                self._full = None
+            return
+        full = self._full_args(args)
+        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        md = ck.launch_metadata(g, stream, *full) if _enter_hook() is not None else None
+        ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, md, _enter_hook(), _exit_hook(), *full)
+
+
+def _knobs():
+    return getattr(triton, "knobs", None)
+
+
+def _enter_hook():
+    k = _knobs()
+    return k.runtime.launch_enter_hook if k is not None else None
+
+
+def _exit_hook():
+    k = _knobs()
+    return k.runtime.launch_exit_hook if k is not None else None
+
+
+class Arena:
+    """Scratch buffers of one geometry, grown (never shrunk) to its largest plan; layers share it.
+
+    Buffers replaced by a larger prepare stay referenced, so CUDA graphs captured earlier keep
+    valid pointers (capture after preparing every layer to share one set)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []
+
+    def need(self, name: str, numel: int, dtype) -> None:
+        cur = self.buffers.get(name)
+        if cur is not None and cur.numel() >= numel and cur.dtype == dtype:
+            return
+        if cur is not None:
+            self.retired.append(cur)
+        self.buffers[name] = torch.empty(max(1, numel), dtype=dtype, device=self.device)
+
+    def __getitem__(self, name):
+        return self.buffers[name]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+
+class GeometryPlans:
+    """Configs, compiled launches and the arena shared by every handle of one geometry."""
+
+    def __init__(self, geometry):
+        self.geometry = geometry
+        self.configs: dict[int, Config] = {}
+        self.caps: list[int] = []
+        self.launches: dict[tuple, Launch] = {}
+        self.arena = Arena(geometry.device)
+        g = geometry
+        self.e_pad = triton.next_power_of_2(g.num_experts + 1)
+        self.act_dtype = torch.float32 if INTERPRET else torch.bfloat16
+        self.dot_dtype = tl.float32 if INTERPRET else tl.bfloat16
+        self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
+
+    # ---- per call
+    def plan_for(self, m: int) -> tuple[int, Config]:
+        i = bisect.bisect_left(self.caps, m)
+        cap = self.caps[min(i, len(self.caps) - 1)]
+        return cap, self.configs[cap]
+
+    # ---- prepare
+    def launch(self, kind: str, cfg: Config | None) -> Launch:
+        g = self.geometry
+        if kind == "prologue":
+            key = (kind, cfg.bm, cfg.atomic)
+        elif kind == "gemm1":
+            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
+        elif kind == "gemm2":
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
+        else:
+            key = (kind, cfg.atomic)
+        hit = self.launches.get(key)
+        if hit is not None:
+            return hit
+        common = dict(K=g.hidden_size, TOPK=g.top_k)
+        if kind == "prologue":
+            p = PROLOGUE
+            ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, CH=p["CH"],
+                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic),
+                        p["warps"], 1)
+        elif kind == "gemm1":
+            ln = Launch(K_.gemm1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+                                              HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
+                                              BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype),
+                        cfg.warps1, cfg.stages1)
+        elif kind == "gemm2":
+            ln = Launch(K_.gemm2_kernel, dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales,
+                                              ATOMIC=cfg.atomic, BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2,
+                                              DOT_DTYPE=self.dot_dtype),
+                        cfg.warps2, cfg.stages2)
+        else:
+            f = FINALIZE
+            ln = Launch(K_.finalize_kernel, dict(common, ATOMIC=cfg.atomic, BR=f["BR"], BK=f["BK"]), f["warps"], 1)
+        self.launches[key] = ln
+        return ln
+
+    def reserve(self, cap: int, cfg: Config) -> None:
+        g = self.geometry
+        tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
+        S = tokens * g.top_k
+        nb = K_.num_blocks(S, g.num_experts, cfg.bm)
+        a = self.arena
+        a.need("xq", tokens * g.hidden_size, self.act_dtype)
+        a.need("lid", S, torch.int32)
+        a.need("wts", S, torch.float32)
+        a.need("sorted", nb * cfg.bm, torch.int32)
+        a.need("blk_expert", nb, torch.int32)
+        a.need("blk_rows", nb, torch.int32)
+        a.need("cursor", self.e_pad, torch.int32)
+        a.need("act", nb * cfg.bm * g.intermediate_size, self.act_dtype)
+        if cfg.atomic:
+            a.need("acc", tokens * g.hidden_size, torch.float32)
+        else:
+            a.need("slots", S * g.hidden_size, torch.float32)
+        a.need("acc", 1, torch.float32)
+        a.need("slots", 1, torch.float32)
+
+    def add(self, cap: int, cfg: Config) -> None:
+        self.configs[cap] = cfg
+        self.caps = sorted(self.configs)
+        self.reserve(cap, cfg)
+        for kind in ("prologue", "gemm1", "gemm2", "finalize"):
+            self.launch(kind, cfg)
+
+
+# ------------------------------------------------------------------------------- tuning cache
+def cache_dir(option: str | None = None) -> str:
+    return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
+
+
+def cache_path(geometry, directory: str) -> str:
+    g = geometry
+    dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
+    key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 1])
+    h = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return os.path.join(directory, f"triton-plans-{h}.json")
+
+
+def load_cache(path: str) -> dict[int, Config]:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        return {int(k): Config(**v) for k, v in raw.get("configs", {}).items()}
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def save_cache(path: str, configs: dict[int, Config], geometry) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"geometry": repr(geometry), "configs": {str(k): c.as_dict() for k, c in configs.items()}}, f,
+                      indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home must not break prepare
+        log.warning("b12x_ops triton: cannot write the tuning cache %s: %s", path, exc)
+
+
+class Progress:
+    """A stderr progress line, shown once a step has taken over a second (and always logged)."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.t0, self.done = what, total, time.perf_counter(), 0
+
+    def step(self, note: str = "") -> None:
+        self.done += 1
+        log.info("%s %d/%d %s", self.what, self.done, self.total, note)
+        if time.perf_counter() - self.t0 > 1.0:
+            end = "\n" if self.done == self.total else ""
+            print(f"\r[b12x_ops] {self.what}: {self.done}/{self.total} {note:<40}", end=end, file=sys.stderr, flush=True)
