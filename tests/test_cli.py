@@ -1,0 +1,147 @@
+"""The command line (``python -m b12x_ops`` / ``b12x-ops``) and the demo's model, on the CPU."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import b12x_ops
+from b12x_ops import cli
+from b12x_ops.models import MoELayer, TinyMoE
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _cli(*argv: str, timeout=240) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, on any machine
+    proc = subprocess.run([sys.executable, "-m", "b12x_ops", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"b12x-ops {' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _field(text: str, pattern: str) -> re.Match:
+    match = re.search(pattern, text, flags=re.M)
+    assert match, f"no line matching {pattern!r} in:\n{text}"
+    return match
+
+
+# ----------------------------------------------------------------------------------------- info
+@pytest.fixture(scope="module")
+def info() -> str:
+    return _cli("info", "--device", "cpu").stdout
+
+
+def test_info_prints_versions(info):
+    assert _field(info, r"^torch\s+(\S+)$").group(1) == torch.__version__
+    assert _field(info, r"^b12x-ops\s+(\S+)$").group(1) == b12x_ops.__version__
+    _field(info, r"^triton\s+\S+")
+    _field(info, r"^b12x\s+\S+")
+
+
+def test_info_prints_the_device(info):
+    _field(info, r"^device\s+cpu: \S+")
+    assert _field(info, r"^compute capability: (.*)$").group(1) == "n/a"
+
+
+def test_info_auto_picks_reference_on_cpu(info):
+    assert _field(info, r"^auto picks: (\S+)$").group(1) == "reference"
+    _field(info, r"^\s+reference\s+can run$")
+
+
+@pytest.mark.parametrize("backend", ["b12x", "triton"])
+def test_info_says_why_gpu_backends_cannot_run(info, backend):
+    reason = _field(info, rf"^\s+{backend}\s+cannot run on cpu: (.+)$").group(1)
+    assert "cpu" in reason, reason  # the backend's own reason names the device it was asked about
+
+
+def test_info_lists_every_backend_fastest_first(info):
+    listed = re.findall(r"^\s+(\w+)\s+(?:can run|cannot run)", info, flags=re.M)
+    assert listed == [s.name for s in b12x_ops.available_backends("cpu")]
+
+
+# ----------------------------------------------------------------------------------------- demo
+@pytest.fixture(scope="module")
+def demo() -> str:
+    return _cli("demo", "--device", "cpu", "--layers", "3", "--tokens", "12").stdout
+
+
+@pytest.mark.slow
+def test_demo_runs_the_reference_backend_on_cpu(demo):
+    _field(demo, r"^b12x-ops demo: TinyMoE 3 layers, .* 12 tokens bf16 on cpu, backend reference \(asked: auto\)$")
+
+
+@pytest.mark.slow
+def test_demo_graph_has_one_b12x_node_per_layer(demo):
+    match = _field(demo, r"^b12x nodes in the graph: (\d+) for (\d+) layers")
+    assert int(match.group(1)) == int(match.group(2)) == 3
+    assert demo.count("torch.ops.b12x.moe_w4a8.default(") == 3  # in the printed FX code
+
+
+@pytest.mark.slow
+def test_demo_compiles_once_for_every_token_count(demo):
+    assert int(_field(demo, r"^graphs compiled: (\d+) for token counts").group(1)) == 1
+
+
+@pytest.mark.slow
+def test_demo_errors_are_small(demo):
+    compiled = float(_field(demo, r"^rel\. L2 error, compiled vs eager: (\S+)$").group(1))
+    reference = float(_field(demo, r"^rel\. L2 error, eager vs reference backend: (\S+)").group(1))
+    assert compiled <= 1e-2
+    assert reference <= 5e-3
+    _field(demo, r"^CUDA graph: skipped \(device cpu")
+
+
+# ----------------------------------------------------------------------------- in-process parts
+def test_bench_points_to_benchmarks(capsys):
+    assert cli.main(["bench"]) == 0
+    assert "benchmarks/" in capsys.readouterr().out
+
+
+def test_unknown_command_is_an_error():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["nope"])
+    assert exc.value.code != 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_device_without_cuda_says_so():
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        cli.main(["info", "--device", "cuda"])
+
+
+# ---------------------------------------------------------------------------- the demo's model
+def test_tiny_moe_layer_is_router_plus_op_plus_residual():
+    model = TinyMoE(num_layers=1, hidden_size=64, intermediate_size=64, num_experts=4, top_k=2, backend="reference")
+    layer = model.layers[0]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.no_grad():
+        ids, weights = layer.route(x)
+        want = x + b12x_ops.moe_w4a8(x, ids, weights, layer.experts)
+        got = model(x)
+    assert ids.shape == (5, 2) and weights.dtype == torch.float32
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_tiny_moe_weights_depend_only_on_the_seed():
+    a, b = (TinyMoE(num_layers=2, hidden_size=64, intermediate_size=32, num_experts=4, backend="reference", seed=7)
+            for _ in range(2))
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+    assert a.handles[0] != b.handles[0]  # distinct handles (a compiled model guards on them)
+
+
+def test_moe_layer_checks_its_router():
+    model = TinyMoE(num_layers=1, hidden_size=64, intermediate_size=32, num_experts=4, backend="reference")
+    with pytest.raises(ValueError, match="router_weight"):
+        MoELayer(model.handles[0], torch.zeros(4, 32))
