@@ -571,7 +571,8 @@ class PlanSet:
                 plan=e.plan,
             )
             self.api.fm.run(binding=binding)
-        torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
 
 def _no_prime(api: Api):
@@ -660,11 +661,17 @@ class LayerState:
     weight_bytes: int
 
 
-def _remap_kernel():
-    try:
-        from .triton.remap import ep_remap
-    except ImportError:
-        from .reference import ep_remap
+def _remap_kernel(device: torch.device):
+    """The package's EP remap: the Triton kernel on a GPU (the op's own), else its torch twin."""
+    if device.type == "cuda":
+        try:
+            from .triton.remap import ep_remap
+        except ImportError:
+            pass
+        else:
+            return ep_remap
+    from .reference import ep_remap
+
     return ep_remap
 
 
@@ -697,7 +704,7 @@ def prepare(spec) -> LayerState:
     direct = opts.direct_ids and spec.expert_offset == 0 and not g.deterministic
     layer = LayerState(
         plan_set=plan_set, experts=experts, launches=tuple(launches), index=plan_set.index,
-        num_experts=g.num_experts, expert_offset=spec.expert_offset, direct=direct, remap=_remap_kernel(),
+        num_experts=g.num_experts, expert_offset=spec.expert_offset, direct=direct, remap=_remap_kernel(g.device),
         launch=api.fm.run,
         weight_bytes=sum(t.numel() * t.element_size() for t in (spec.w13, spec.w13_scale, spec.w2, spec.w2_scale)),
     )
