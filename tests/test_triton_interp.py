@@ -1,0 +1,196 @@
+"""The Triton backend's index and quantization logic on the CPU, under the Triton interpreter.
+
+``TRITON_INTERPRET=1`` must be set before any Triton kernel is first launched, so the checks run in
+a child pytest process of this same file (``test_interpreter_suite``); in that child the env var
+is set and the ``interp_*`` tests run. Shapes are tiny: the interpreter executes kernels in numpy.
+Under the interpreter the kernels take fp32 operands (its bf16 ``tl.dot`` is wrong) and its
+fp32-to-bf16 conversion truncates instead of rounding, so whole-layer results are compared at the
+contract's tolerance while the stages are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _samples import CASES, case, make_batch, make_layer, rel_l2
+
+INNER = os.environ.get("TRITON_INTERPRET") == "1"
+inner = pytest.mark.skipif(not INNER, reason="runs inside the TRITON_INTERPRET=1 child process")
+
+
+@pytest.mark.skipif(INNER, reason="this is the parent")
+def test_interpreter_suite():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+if INNER:
+    import triton
+    import triton.language as tl
+
+    import b12x_ops
+    from b12x_ops.backends.reference import ep_remap as ep_remap_torch
+    from b12x_ops.backends.triton import kernels as K_
+    from b12x_ops.backends.triton.mxtl import decode_mxfp4_pair, quant_dequant_mxfp8_tile
+    from b12x_ops.backends.triton.remap import ep_remap
+    from b12x_ops.mx import dequantize_mxfp4, quant_dequant_mxfp8
+
+    @triton.jit
+    def _qdq_kernel(x_ptr, y_ptr, C: tl.constexpr, R: tl.constexpr):
+        r = tl.arange(0, R)
+        c = tl.arange(0, C)
+        v = tl.load(x_ptr + r[:, None] * C + c[None, :])
+        tl.store(y_ptr + r[:, None] * C + c[None, :], quant_dequant_mxfp8_tile(v, R, C))
+
+    @triton.jit
+    def _decode_kernel(c_ptr, s_ptr, e_ptr, o_ptr, R: tl.constexpr, BKH: tl.constexpr):
+        r = tl.arange(0, R)
+        h = tl.arange(0, BKH)
+        s = tl.arange(0, BKH // 16)
+        codes = tl.load(c_ptr + r[:, None] * BKH + h[None, :])
+        sc = tl.load(s_ptr + r[:, None] * (BKH // 16) + s[None, :])
+        ev, od = decode_mxfp4_pair(codes, sc, R, BKH, tl.float32)
+        tl.store(e_ptr + r[:, None] * BKH + h[None, :], ev)
+        tl.store(o_ptr + r[:, None] * BKH + h[None, :], od)
+
+
+def _awkward_values(rows, cols, seed):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-30, 30, (rows, 1), generator=g).float())
+    v[0, :32] = 0.0  # an all-zero block
+    v[1, :32] = torch.linspace(-1, 1, 32) * 448 * 2.0**-8  # payload subnormals
+    v[2, 5] = 3e38  # huge
+    v[3, 32:64] = 1e-40  # fp32 subnormals
+    # exact E4M3 midpoints: ties must go to even
+    v[4, :32] = torch.tensor([448.0] + [1.0 + (2 * i + 1) / 16 for i in range(8)] * 3 + [0.0] * 7)
+    return v
+
+
+@inner
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_interp_mxfp8_quant_is_bit_exact(seed):
+    v = _awkward_values(8, 64, seed)
+    y = torch.empty_like(v)
+    _qdq_kernel[(1,)](v, y, C=64, R=8)
+    want = quant_dequant_mxfp8(v)
+    assert torch.equal(y.view(torch.int32), want.view(torch.int32))
+
+
+@inner
+def test_interp_mxfp4_decode_is_exact():
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (8, 32), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (8, 2), generator=g, dtype=torch.uint8)
+    ev = torch.empty(8, 32)
+    od = torch.empty(8, 32)
+    _decode_kernel[(1,)](codes, scales, ev, od, R=8, BKH=32)
+    want = dequantize_mxfp4(codes, scales)
+    assert torch.equal(ev, want[:, 0::2]) and torch.equal(od, want[:, 1::2])
+
+
+@inner
+@pytest.mark.parametrize("name", ["compact", "padding", "foreign_ep", "odd_sizes", "int64_bf16w", "strided"])
+@pytest.mark.parametrize("bm", [16, 32])
+def test_interp_routing_matches_twin(name, bm):
+    layer, (x, ids, w) = case(name)
+    h = layer.prepare(backend="triton", max_tokens=64)
+    st = h._state
+    gp = st.plans
+    cfg = gp.configs[gp.plan_for(x.shape[0])[0]]
+    cfg = type(cfg)(**dict(cfg.as_dict(), bm=bm))
+    gp.reserve(64, cfg)
+    out = torch.empty_like(x)
+    from b12x_ops.backends.triton import _launch_all
+    _launch_all(st, cfg, x, ids, w, out, stages=("prologue",))
+    a = gp.arena.buffers
+    lid, wts, srt, be, br = K_.route_torch(ids, w, layer.offset, layer.E, bm)
+    S = ids.numel()
+    nb = K_.num_blocks(S, layer.E, bm)
+    assert torch.equal(a["lid"][:S], lid)
+    assert torch.equal(a["wts"][:S], wts)
+    assert torch.equal(a["blk_expert"][:nb], be)
+    assert torch.equal(a["blk_rows"][:nb], br)
+    for b in range(nb):
+        r = int(br[b])
+        got = sorted(a["sorted"][b * bm: b * bm + r].tolist())
+        assert got == sorted(srt[b * bm: b * bm + r].tolist())
+    # quantized activations, bit exact
+    assert torch.equal(a["xq"][: x.numel()].view(x.shape), quant_dequant_mxfp8(x.float()))
+
+
+@inner
+def test_interp_gemm1_stage_matches_twin():
+    layer, (x, ids, w) = case("int64_bf16w")
+    h = layer.prepare(backend="triton", max_tokens=8)
+    b12x_ops.moe_w4a8(x, ids, w, h)
+    gp = h._state.plans
+    a = gp.arena.buffers
+    cfg = gp.configs[gp.plan_for(x.shape[0])[0]]
+    N = layer.N
+    nb = K_.num_blocks(ids.numel(), layer.E, cfg.bm)
+    xq = quant_dequant_mxfp8(x.float())
+    for b in range(nb):
+        e, r = int(a["blk_expert"][b]), int(a["blk_rows"][b])
+        if e < 0:
+            continue
+        slots = a["sorted"][b * cfg.bm: b * cfg.bm + r].long()
+        want = K_.gemm1_torch(xq[slots // layer.top_k], layer.w13, layer.w13_scale, e, layer.layout, layer.limit)
+        got = a["act"][b * cfg.bm * N: (b * cfg.bm + r) * N].view(r, N)
+        assert (got != want).float().mean() < 0.01  # sigmoid ulps may flip a rare MXFP8 rounding
+        assert rel_l2(got, want) < 1e-3
+
+
+@inner
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_interp_layer_matches_reference(name, deterministic):
+    layer, (x, ids, w) = case(name)
+    h = layer.prepare(backend="triton", max_tokens=16, deterministic=deterministic)
+    ref = layer.prepare(backend="reference")
+    got = b12x_ops.moe_w4a8(x, ids, w, h)
+    want = b12x_ops.moe_w4a8(x, ids, w, ref)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert rel_l2(got, want) <= 1e-2
+
+
+@inner
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_interp_atomic_and_chunked_paths(deterministic):
+    # 80 tokens x top-4 = 320 slots: the default mode takes the atomic reduction; max_tokens=32
+    # makes the handle run it in chunks.
+    layer = make_layer(E=6, K=64, N=32, top_k=4, limit=10.0, layout="w31", global_scales=True, offset=2)
+    x, ids, w = make_batch(layer, 80, seed=4, w_dtype=torch.float16, padding_rows=3)
+    for max_tokens in (128, 32):
+        h = layer.prepare(backend="triton", max_tokens=max_tokens, deterministic=deterministic)
+        got = b12x_ops.moe_w4a8(x, ids, w, h)
+        want = b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))
+        assert rel_l2(got, want) <= 1e-2
+
+
+@inner
+@pytest.mark.parametrize("name", ["compact", "padding", "foreign_ep", "int64_bf16w", "strided", "zero_tokens"])
+def test_interp_ep_remap_matches_twin(name):
+    layer, (x, ids, w) = case(name)
+    got = ep_remap(ids, w, layer.offset, layer.E)
+    want = ep_remap_torch(ids, w, layer.offset, layer.E)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].is_contiguous() and got[1].is_contiguous()
+
+
+@inner
+def test_interp_options_are_checked():
+    layer = make_layer()
+    with pytest.raises(ValueError, match="options"):
+        layer.prepare(backend="triton", bogus=1)
+    h = layer.prepare(backend="triton", max_tokens=4, tune=False)
+    assert h.backend == "triton" and h.memory["device_bytes"] == h.memory["checkpoint_bytes"]
