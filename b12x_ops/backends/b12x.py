@@ -95,15 +95,19 @@ OPTIONS: dict[str, Any] = {
 
 
 # ================================================================================== availability
-@functools.lru_cache(maxsize=None)
 def _cuda_identity(index: int | None) -> tuple[tuple[int, int] | None, str | None]:
+    """``(capability, name)`` of a CUDA device (``None`` index: the current one), or Nones."""
     if not torch.cuda.is_available():
         return None, None
     try:
-        idx = torch.cuda.current_device() if index is None else index
-        return tuple(torch.cuda.get_device_capability(idx)), torch.cuda.get_device_name(idx)
+        return _cuda_identity_of(torch.cuda.current_device() if index is None else index)
     except (RuntimeError, AssertionError, ValueError):
         return None, None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_identity_of(index: int) -> tuple[tuple[int, int], str]:
+    return tuple(torch.cuda.get_device_capability(index)), torch.cuda.get_device_name(index)
 
 
 def library_module() -> str | None:
