@@ -1,0 +1,280 @@
+"""Side-by-side W4A8 MoE benchmark on any CUDA GPU: ours against the physical limit and the peers.
+
+    python benchmarks/bench_moe.py [--triton-kernels DIR] [--out benchmarks/results]
+
+Every point is timed as CUDA-graph replay over several layers' handles (each layer its own
+weights and routing), so weights stream from HBM and not from L2. Per point it records our time,
+the limit measured in the same run (bytes of the distinct experts' weights and scales plus the
+activations over measured copy bandwidth; FLOPs over measured bf16 matmul rate; the larger of the
+two), a bf16 MoE on dequantized weights, and triton_kernels' matmul_ogs MXFP4 MoE (if given).
+Writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import b12x_ops  # noqa: E402
+from b12x_ops.mx import dequantize_mxfp4  # noqa: E402
+from peers import Bf16MoE, TritonKernelsMoE  # noqa: E402
+
+GEOMETRIES = {
+    "gpt-oss-120b": dict(E=128, K=2880, N=2880, top_k=4, limit=7.0),
+    "dsv4.1-tp4": dict(E=384, K=5120, N=576, top_k=6, limit=10.0),
+    "qwen3-30b-a3b": dict(E=128, K=2048, N=768, top_k=8, limit=None),
+}
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+
+
+def measure_copy_bandwidth(nbytes=2 << 30):
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_()
+    for _ in range(3):
+        b.copy_(a)
+    t = time_events(lambda: b.copy_(a), reps=10)
+    return 2 * nbytes / t  # bytes read + written per second
+
+
+def measure_bf16_peak(n=8192):
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    t = time_events(lambda: a @ b, reps=10)
+    return 2 * n**3 / t
+
+
+def time_events(fn, reps=20):
+    """Median seconds of ``fn`` by CUDA events."""
+    s = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    e = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        s[i].record()
+        fn()
+        e[i].record()
+    torch.cuda.synchronize()
+    ts = sorted(s[i].elapsed_time(e[i]) for i in range(reps))
+    return ts[reps // 2] / 1e3
+
+
+def graph_time(calls, reps=20):
+    """Per-call seconds of a CUDA graph that replays every call in ``calls`` once."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    for _ in range(3):
+        g.replay()
+    return time_events(g.replay, reps) / len(calls)
+
+
+def random_layer(E, K, N, device, gen_seed):
+    torch.manual_seed(gen_seed)
+    w13 = torch.randint(0, 256, (E, 2 * N, K // 2), dtype=torch.uint8, device=device)
+    s13 = torch.randint(118, 126, (E, 2 * N, K // 32), dtype=torch.uint8, device=device)
+    w2 = torch.randint(0, 256, (E, K, N // 2), dtype=torch.uint8, device=device)
+    s2 = torch.randint(118, 126, (E, K, N // 32), dtype=torch.uint8, device=device)
+    return w13, s13, w2, s2
+
+
+def dequant_bf16(codes, scales):
+    out = torch.empty(codes.shape[0], codes.shape[1], codes.shape[2] * 2, dtype=torch.bfloat16, device=codes.device)
+    for e in range(codes.shape[0]):
+        out[e] = dequantize_mxfp4(codes[e], scales[e]).to(torch.bfloat16)
+    return out
+
+
+def routing(M, E, top_k, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(M, E, device=device, generator=g)
+    vals, ids = logits.topk(top_k, dim=1)
+    return logits, ids.to(torch.int32), torch.softmax(vals, dim=1)
+
+
+def bench_geometry(name, geo, args, bw, peak, log):
+    E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
+    L = args.layers
+    dev = "cuda"
+    expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
+    layers = [random_layer(E, K, N, dev, 100 + i) for i in range(L)]
+    t0 = time.perf_counter()
+    handles = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=not args.no_tune,
+                                        max_tokens=max(args.sizes)) for lw in layers]
+    prep_s = time.perf_counter() - t0
+    log(f"{name}: prepared {L} layers in {prep_s:.1f}s; memory per layer {handles[0].memory}")
+    ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
+    bf16 = []
+    for lw in layers[: args.bf16_layers]:
+        bf16.append(Bf16MoE(dequant_bf16(lw[0], lw[1]), dequant_bf16(lw[2], lw[3]), top_k, limit))
+    peer = []
+    peer_err = None
+    if args.triton_kernels:
+        try:
+            for lw in layers:
+                peer.append(TritonKernelsMoE(args.triton_kernels, *lw, top_k, limit))
+        except Exception as exc:  # noqa: BLE001 - the peer is optional; say why it did not run
+            peer, peer_err = [], f"{type(exc).__name__}: {exc}"
+            log(f"  triton_kernels peer unavailable: {peer_err}")
+    points = []
+    for M in args.sizes:
+        rt = [routing(M, E, top_k, dev, 1000 * i + M) for i in range(L)]
+        xs = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(L)]
+        outs = [torch.empty_like(x) for x in xs]
+        ours = graph_time([(lambda i=i: b12x_ops.moe_w4a8_out(xs[i], rt[i][1], rt[i][2], handles[i], outs[i]))
+                           for i in range(L)], args.reps)
+        want = b12x_ops.moe_w4a8(xs[0], rt[0][1], rt[0][2], ref) if M <= 2048 else None
+        err = None
+        if want is not None:
+            err = float((outs[0].float() - want.float()).norm() / want.float().norm())
+        distinct = sum(int(torch.unique(r[1]).numel()) for r in rt) / L
+        nbytes = distinct * expert_bytes + 2 * M * K * 2
+        flops = 2 * M * top_k * (K * 2 * N + N * K)
+        t_hbm, t_flop = nbytes / bw, flops / peak
+        limit_s = max(t_hbm, t_flop)
+        # eager: wall time per call of a synchronized loop, and host time to issue one call
+        h0, x0, i0, w0, o0 = handles[0], xs[0], rt[0][1], rt[0][2], outs[0]
+        for _ in range(5):
+            b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
+        torch.cuda.synchronize()
+        n = 200
+        t = time.perf_counter()
+        for _ in range(n):
+            b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
+        host = (time.perf_counter() - t) / n
+        torch.cuda.synchronize()
+        eager = (time.perf_counter() - t) / n
+        single = graph_time([lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)], args.reps)
+        p = dict(M=M, ours_us=ours * 1e6, limit_us=limit_s * 1e6, hbm_limit_us=t_hbm * 1e6, flop_limit_us=t_flop * 1e6,
+                 bytes=nbytes, flops=flops, distinct_experts=distinct, rel_err_vs_ref=err,
+                 pct_of_limit=100 * limit_s / ours, eager_us=eager * 1e6, host_us=host * 1e6,
+                 single_graph_us=single * 1e6, eager_overhead_us=(eager - single) * 1e6,
+                 tflops=flops / ours / 1e12, pct_bf16_peak=100 * flops / ours / peak)
+        if bf16:
+            p["bf16_us"] = graph_time([(lambda i=i: bf16[i](xs[i], rt[i][1], rt[i][2])) for i in range(len(bf16))],
+                                      args.reps) * 1e6
+        if peer:
+            try:
+                pr = [peer[i].route(rt[i][0]) for i in range(L)]
+                inter = [torch.empty(1, M * top_k, N, device=dev, dtype=torch.bfloat16) for _ in range(L)]
+                pout = [torch.empty(1, M, K, device=dev, dtype=torch.bfloat16) for _ in range(L)]
+                p["triton_kernels_us"] = graph_time(
+                    [(lambda i=i: peer[i](xs[i], pr[i][0], pr[i][1], pr[i][2], inter[i], pout[i])) for i in range(L)],
+                    args.reps) * 1e6
+            except Exception as exc:  # noqa: BLE001
+                peer_err = f"{type(exc).__name__}: {exc}"
+                log(f"  triton_kernels failed at M={M}: {peer_err}")
+                peer = []
+        log(f"  M={M:5d} ours {p['ours_us']:9.1f} us  limit {p['limit_us']:8.1f} ({p['pct_of_limit']:5.1f}%)  "
+            f"bf16 {p.get('bf16_us', float('nan')):9.1f}  tk {p.get('triton_kernels_us', float('nan')):9.1f}  "
+            f"eager {p['eager_us']:7.1f} host {p['host_us']:6.1f} err {err}")
+        points.append(p)
+    del handles, bf16, peer, layers
+    torch.cuda.empty_cache()
+    return dict(geometry=dict(geo, name=name), layers=L, prepare_s=prep_s, points=points, peer_error=peer_err)
+
+
+def write_markdown(res, path):
+    lines = [f"# W4A8 MoE benchmark ({res['device']}, torch {res['torch']}, triton {res['triton']})", "",
+             f"Measured copy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['bf16_peak'] / 1e12:.0f} "
+             f"TFLOP/s. Times are per layer, CUDA-graph replay over {res['geometries'][0]['layers']} layers, in us. "
+             "limit = max(bytes / bandwidth, FLOPs / bf16 peak). Command: `" + res["command"] + "`", ""]
+    for g in res["geometries"]:
+        geo = g["geometry"]
+        lines += [f"## {geo['name']} (E={geo['E']}, K={geo['K']}, N={geo['N']}, top-{geo['top_k']}, "
+                  f"limit {geo['limit']})", ""]
+        if g.get("peer_error"):
+            lines += [f"triton_kernels: {g['peer_error']}", ""]
+        lines += ["| M | ours | limit | % of limit | bf16 | triton_kernels | ours vs tk | % bf16 peak | eager | "
+                  "eager overhead | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for p in g["points"]:
+            tk = p.get("triton_kernels_us")
+            tk_s = "" if tk is None else f"{tk:.1f}"
+            ratio = "" if tk is None else f"{tk / p['ours_us']:.2f}x"
+            err = "" if p["rel_err_vs_ref"] is None else f"{p['rel_err_vs_ref']:.1e}"
+            lines.append(
+                f"| {p['M']} | {p['ours_us']:.1f} | {p['limit_us']:.1f} | {p['pct_of_limit']:.0f}% | "
+                f"{p.get('bf16_us', float('nan')):.1f} | {tk_s} | {ratio} | {p['pct_bf16_peak']:.0f}% | "
+                f"{p['eager_us']:.1f} | {p['eager_overhead_us']:.1f} | {err} |")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    gs = res["geometries"]
+    fig, axes = plt.subplots(1, len(gs), figsize=(6 * len(gs), 4.5))
+    for ax, g in zip(axes if len(gs) > 1 else [axes], gs):
+        Ms = [p["M"] for p in g["points"]]
+        ax.plot(Ms, [p["ours_us"] for p in g["points"]], "o-", label="ours (triton)")
+        ax.plot(Ms, [p["limit_us"] for p in g["points"]], "k--", label="physical limit")
+        if any("bf16_us" in p for p in g["points"]):
+            ax.plot(Ms, [p.get("bf16_us", math.nan) for p in g["points"]], "s-", label="bf16 grouped_mm")
+        if any("triton_kernels_us" in p for p in g["points"]):
+            ax.plot(Ms, [p.get("triton_kernels_us", math.nan) for p in g["points"]], "^-", label="triton_kernels")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel("us per layer")
+        ax.set_title(g["geometry"]["name"])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
+    ap.add_argument("--sizes", nargs="*", type=int, default=list(SIZES))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--bf16-layers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--triton-kernels", default=None, help="folder holding the triton_kernels package (a peer)")
+    ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    import triton
+    bw = measure_copy_bandwidth()
+    peak = measure_bf16_peak()
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {peak / 1e12:.0f} TFLOP/s")
+    cmd = "python benchmarks/bench_moe.py" + ("" if not args.triton_kernels else " --triton-kernels <DIR>") + \
+        ("" if not args.no_tune else " --no-tune") + \
+        ("" if args.layers == 8 else f" --layers {args.layers}")
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               copy_bw=bw, bf16_peak=peak, command=cmd, geometries=[])
+    for name in args.geometries:
+        res["geometries"].append(bench_geometry(name, GEOMETRIES[name], args, bw, peak, log))
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    write_markdown(res, os.path.join(args.out, "results.md"))
+    try:
+        plot(res, os.path.join(args.out, "results.png"))
+    except Exception as exc:  # noqa: BLE001
+        log(f"plot failed: {exc}")
+    print(open(os.path.join(args.out, "results.md")).read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: the GPU tests, then the benchmark. Results land under $OUT (or ./out).
+# usage: bash benchmarks/h200_session.sh [tests|bench|all] [extra bench args...]
+set -o pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+export B12X_OPS_CACHE_DIR=${B12X_OPS_CACHE_DIR:-/tmp/b12x_ops_cache}
+what=${1:-all}; shift || true
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 330 python3 -m pytest tests/test_triton_gpu.py -q -x -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)
+  python3 benchmarks/bench_moe.py "${peers[@]}" --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
