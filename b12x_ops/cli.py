@@ -224,7 +224,8 @@ def cmd_demo(args) -> int:
 # --------------------------------------------------------------------------------------- bench
 def cmd_bench(args) -> int:
     print("b12x-ops bench: not built into the CLI yet. The side-by-side benchmark and its latest "
-          "results live in benchmarks/ of the source repository (see benchmarks/README.md there).")
+          "results live in benchmarks/ of the source repository: python benchmarks/bench_moe.py --help "
+          "(and benchmarks/dispatch_overhead.py for the per-call host overhead).")
     return 0
 
 
