@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from . import backends
-from ._compat import E8M0_DTYPE, register_opaque_type, get_opaque_type_name
+from ._compat import E8M0_DTYPE, OpaqueBase, register_opaque_type, get_opaque_type_name
 from .mx import BLOCK, scale_bytes
 
 ACTIVATIONS = ("silu",)
@@ -61,7 +61,7 @@ class ExpertsSpec:
     decode_token_counts: tuple[int, ...] = ()  # the caller's exact counts, as given
 
 
-class PreparedExperts:
+class PreparedExperts(OpaqueBase):
     """One layer's experts, prepared for one backend on one device. Build with ``prepare_experts``.
 
     Public, read-only attributes: ``backend``, ``device``, ``num_experts`` (local), ``expert_offset``,
@@ -132,6 +132,13 @@ class PreparedExperts:
             self._run(self._state, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e])
 
 
+_NAME = f"{PreparedExperts.__module__}.{PreparedExperts.__qualname__}"
+_already_registered = getattr(torch._C, "_is_opaque_type_registered", lambda name: False)
+if _already_registered(_NAME):
+    raise RuntimeError(
+        f"b12x_ops: the opaque type {_NAME} is already registered in this process (most likely the "
+        f"schema-only csrc_stubs library was loaded first; load one or the other, not both)"
+    )
 register_opaque_type(PreparedExperts, typ="value")
 HANDLE_TYPE = get_opaque_type_name(PreparedExperts)
 

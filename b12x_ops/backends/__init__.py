@@ -39,7 +39,10 @@ def status(name: str, device: torch.device) -> BackendStatus:
         module = load(name)
     except ImportError as exc:  # a backend whose own dependencies are missing
         return BackendStatus(name, False, f"cannot import its module: {exc}")
-    reason = module.unavailable_reason(device)
+    try:
+        reason = module.unavailable_reason(device)
+    except Exception as exc:  # a broken probe must not take `auto` or `info` down with it
+        reason = f"its availability check failed: {type(exc).__name__}: {exc}"
     return BackendStatus(name, reason is None, reason or "")
 
 
