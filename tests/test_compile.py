@@ -8,27 +8,14 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import b12x_ops
+from b12x_ops.models import TinyMoE
 from _samples import make_batch, make_layer
 
 
-class MoEBlock(torch.nn.Module):
-    """Router + the op + residual: the shape of an engine's MoE layer."""
-
-    def __init__(self, layer, device="cpu"):
-        super().__init__()
-        self.router = torch.nn.Linear(layer.K, layer.E, bias=False, dtype=torch.bfloat16, device=device)
-        self.experts = layer.prepare()
-        self.top_k = layer.top_k
-
-    def forward(self, x):
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k)
-        return x + torch.ops.b12x.moe_w4a8(x, ids, weights, self.experts)
-
-
 def _model(num_layers=3, device="cpu"):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[MoEBlock(make_layer(seed=i, device=device), device) for i in range(num_layers)])
+    # router + the op + residual per layer; the handles are plain attributes (graph constants)
+    return TinyMoE(num_layers, hidden_size=64, intermediate_size=64, num_experts=4, top_k=2, device=device,
+                   backend="reference").requires_grad_(False)
 
 
 class Capture:
@@ -60,20 +47,20 @@ class TestCompile(expecttest.TestCase):
         b12x_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "b12x" in str(n.target)]
         self.assertEqual(len(b12x_nodes), 3)
         self.assertTrue(all(n.target in (torch.ops.b12x.moe_w4a8, torch.ops.b12x.moe_w4a8.default) for n in b12x_nodes))
-        first_layer = _normalized(gm.code).split("input_1 =")[0]
+        first_layer = _normalized(gm.code).split("x = ")[0]
         self.assertExpectedInline(first_layer, """\
-def forward(self, L_fn_modules_0_modules_router_parameters_weight_ : torch.nn.parameter.Parameter, s33 : torch.SymInt, L_args_0_ : torch.Tensor, L_fn_modules_1_modules_router_parameters_weight_ : torch.nn.parameter.Parameter, L_fn_modules_2_modules_router_parameters_weight_ : torch.nn.parameter.Parameter):
-    l_fn_modules_0_modules_router_parameters_weight_ = L_fn_modules_0_modules_router_parameters_weight_
-    l_args_0_ = L_args_0_
-    l_fn_modules_1_modules_router_parameters_weight_ = L_fn_modules_1_modules_router_parameters_weight_
-    l_fn_modules_2_modules_router_parameters_weight_ = L_fn_modules_2_modules_router_parameters_weight_
-    linear = torch._C._nn.linear(l_args_0_, l_fn_modules_0_modules_router_parameters_weight_, None);  l_fn_modules_0_modules_router_parameters_weight_ = None
-    float_1 = linear.float();  linear = None
-    probs = torch.softmax(float_1, dim = -1);  float_1 = None
-    topk = torch.topk(probs, 2);  probs = None
-    weights = topk[0]
+def forward(self, L_self_modules_layers_modules_0_modules_router_parameters_weight_ : torch.nn.parameter.Parameter, s77 : torch.SymInt, L_x_ : torch.Tensor, L_self_modules_layers_modules_1_modules_router_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_layers_modules_2_modules_router_parameters_weight_ : torch.nn.parameter.Parameter):
+    l_self_modules_layers_modules_0_modules_router_parameters_weight_ = L_self_modules_layers_modules_0_modules_router_parameters_weight_
+    l_x_ = L_x_
+    l_self_modules_layers_modules_1_modules_router_parameters_weight_ = L_self_modules_layers_modules_1_modules_router_parameters_weight_
+    l_self_modules_layers_modules_2_modules_router_parameters_weight_ = L_self_modules_layers_modules_2_modules_router_parameters_weight_
+    linear = torch._C._nn.linear(l_x_, l_self_modules_layers_modules_0_modules_router_parameters_weight_, None);  l_self_modules_layers_modules_0_modules_router_parameters_weight_ = None
+    logits = linear.float();  linear = None
+    topk = torch.topk(logits, 2, dim = -1);  logits = None
+    top = topk[0]
     ids = topk[1];  topk = None
-    moe_w4a8 = torch.ops.b12x.moe_w4a8(l_args_0_, ids, weights, PreparedExperts._lookup(KEY));  ids = weights = None
+    weights = torch.softmax(top, dim = -1);  top = None
+    moe_w4a8_default = torch.ops.b12x.moe_w4a8.default(l_x_, ids, weights, PreparedExperts._lookup(KEY));  ids = weights = None
     """)
 
     def test_inductor_matches_eager(self):
@@ -106,7 +93,7 @@ def forward(self, L_fn_modules_0_modules_router_parameters_weight_ : torch.nn.pa
 
     def test_meta_model_traces(self):
         model = _model(2, device="meta")
-        self.assertTrue(all(blk.experts.device.type == "meta" for blk in model))
+        self.assertTrue(all(h.device.type == "meta" for h in model.handles))
         x = torch.empty(11, 64, dtype=torch.bfloat16, device="meta")
         y = model(x)
         self.assertEqual((y.shape, y.device.type, y.dtype), ((11, 64), "meta", torch.bfloat16))
