@@ -22,6 +22,13 @@ except ImportError as exc:  # pragma: no cover
         f"missing in torch {torch.__version__}"
     ) from exc
 
+# torch 2.11 requires an opaque class to subclass torch._opaque_base.OpaqueBase (its metaclass lets
+# FakeScriptObject pass isinstance checks while tracing); newer torch accepts it too.
+try:
+    from torch._opaque_base import OpaqueBase
+except ImportError:  # pragma: no cover
+    OpaqueBase = object
+
 # float8_e8m0fnu exists from torch 2.7 on; a scale tensor may arrive in either dtype.
 E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
 E4M3_DTYPE = torch.float8_e4m3fn
