@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import types
-import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -523,13 +523,13 @@ class _FakeSession:
 
     def freeze(self):
         self.frozen = True
-        self._guard = contextlib_guard()
+        self._guard = _guard_stub()
 
     def close(self):
         pass
 
 
-def contextlib_guard():
+def _guard_stub():
     return types.SimpleNamespace(__exit__=lambda *a: None)
 
 
@@ -599,8 +599,8 @@ def orchestrated(monkeypatch, tmp_path):
     box = {"limit": 1 << 20}
     monkeypatch.setattr(B, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(B, "load_api", lambda: _fake_api(rec, box["limit"]))
-    monkeypatch.setattr(B, "_PLAN_SETS", __import__("weakref").WeakValueDictionary())
-    monkeypatch.setattr(B, "_FROZEN", __import__("weakref").WeakSet())
+    monkeypatch.setattr(B, "_PLAN_SETS", weakref.WeakValueDictionary())
+    monkeypatch.setattr(B, "_FROZEN", weakref.WeakSet())
     monkeypatch.setenv(plans.CACHE_ENV, str(tmp_path / "cache"))
     rec.box = box
     return rec
