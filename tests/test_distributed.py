@@ -257,6 +257,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
         res["ep_moe_inductor_odd_m"] = (compiled(xr[:7]), DistributedMoE(h_ep, router, group=group)(xr[:7]))
         if rank == 0:
             torch.save(res, os.path.join(outdir, "rank0.pt"))
+        dist.barrier()  # no rank tears its transport down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
