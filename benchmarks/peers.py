@@ -30,7 +30,7 @@ class Bf16MoE:
         M, K = x.shape
         flat = ids.reshape(-1).to(torch.int64)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.E)
+        counts = torch.zeros(self.E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         offs = torch.cumsum(counts, 0).to(torch.int32)
         rows = order // self.top_k
         xs = x[rows]

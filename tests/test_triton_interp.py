@@ -164,6 +164,20 @@ def test_interp_layer_matches_reference(name, deterministic):
 
 
 @inner
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_interp_every_input_dtype_through_one_kernel(w_dtype, id_dtype):
+    layer = make_layer(E=4, K=64, N=32, top_k=3, offset=1)
+    h = layer.prepare(backend="triton", max_tokens=8)
+    ref = layer.prepare(backend="reference")
+    for x_dtype in (torch.bfloat16, torch.float16):
+        x, ids, w = make_batch(layer, 6, seed=2, x_dtype=x_dtype, w_dtype=w_dtype, id_dtype=id_dtype, strided=True)
+        got = b12x_ops.moe_w4a8(x, ids, w, h)
+        want = b12x_ops.moe_w4a8(x, ids, w, ref)
+        assert got.dtype == x_dtype and rel_l2(got, want) <= 1e-2
+
+
+@inner
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_interp_atomic_and_chunked_paths(deterministic):
     # 80 tokens x top-4 = 320 slots: the default mode takes the atomic reduction; max_tokens=32

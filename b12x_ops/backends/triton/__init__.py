@@ -211,6 +211,7 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
 
 
 _ALL = ("prologue", "gemm1", "gemm2", "finalize")
+_W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
@@ -226,11 +227,21 @@ def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
     nb = num_blocks(S, g.num_experts, bm)
     dst = a["acc"] if cfg.atomic else a["slots"]
     if "prologue" in stages:
+        # The caller's routing and activations travel as raw 32/16-bit views, so one compiled
+        # prologue serves every dtype the op accepts (int32/int64 ids: the low word of an int64).
+        if topk_ids.stride(1) != 1 and topk_ids.dtype == torch.int64:
+            topk_ids = topk_ids.contiguous()
+        ids32, ids_mul = topk_ids.view(torch.int32), 2 if topk_ids.dtype == torch.int64 else 1
+        if topk_weights.dtype == torch.float32 and topk_weights.stride(1) != 1:
+            topk_weights = topk_weights.contiguous()
+        w16 = topk_weights.view(torch.int16)
+        w_mul = 2 if topk_weights.dtype == torch.float32 else 1
         gp.launch("prologue", cfg)(
             (1 + -(-m // PROLOGUE["QR"]),),
-            topk_ids, topk_weights, x, a["xq"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
-            a["blk_rows"], a["cursor"], m, topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0),
-            topk_weights.stride(1), x.stride(0), state.expert_offset, nb)
+            ids32, w16, x.view(torch.int16), a["xq"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
+            a["blk_rows"], a["cursor"], m, topk_ids.stride(0) * ids_mul, topk_ids.stride(1) * ids_mul,
+            topk_weights.stride(0) * w_mul, topk_weights.stride(1) * w_mul, x.stride(0), state.expert_offset, nb,
+            _W_KIND[topk_weights.dtype], int(x.dtype == torch.float16))
     if "gemm1" in stages:
         gp.launch("gemm1", cfg)(
             (nb * -(-g.intermediate_size // cfg.bn1),),
@@ -244,7 +255,7 @@ def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
     if "finalize" in stages:
         gp.launch("finalize", cfg)(
             (-(-m // FINALIZE["BR"]), -(-g.hidden_size // FINALIZE["BK"])),
-            dst, a["lid"], out, m, out.stride(0))
+            dst, a["lid"], out.view(torch.int16), m, out.stride(0), int(out.dtype == torch.float16))
 
 
 def memory_report(state) -> dict[str, int]:

@@ -46,12 +46,41 @@ def _jit(*, dns, dnsa=()):
         return triton.jit(do_not_specialize=tuple(dns) + tuple(dnsa))
 
 
-@_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "stride_xm", "expert_offset", "nblocks"),
+@triton.jit
+def half_bits_to_f32(raw, is_fp16):
+    """fp32 value of 16-bit floats given as int16 bits: fp16 when ``is_fp16`` (a runtime flag), else bf16."""
+    as_bf16 = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    as_fp16 = raw.to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.where(is_fp16 != 0, as_fp16, as_bf16)
+
+
+@triton.jit
+def load_weight_raw(ptr, mask, kind):
+    """A router weight from an int16 view of the caller's tensor: ``kind`` 0 fp32 (two halves,
+    little endian), 1 bf16, 2 fp16. One compiled kernel serves every weight dtype."""
+    lo = tl.load(ptr, mask=mask, other=0)
+    hi = tl.load(ptr + 1, mask=mask & (tl.zeros_like(lo).to(tl.int32) + kind == 0), other=0)
+    f32 = ((hi.to(tl.int32) << 16) | (lo.to(tl.int32) & 0xFFFF)).to(tl.float32, bitcast=True)
+    return tl.where(kind == 0, f32, half_bits_to_f32(lo, kind == 2))
+
+
+@triton.jit
+def f32_to_half_bits(v, is_fp16):
+    """int16 bits of fp32 ``v`` rounded (nearest even) to fp16 when ``is_fp16``, else to bf16."""
+    bits = v.to(tl.int32, bitcast=True)
+    bf = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    bf = tl.where(v != v, 0x7FC0, bf)  # NaN stays NaN
+    fp = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return tl.where(is_fp16 != 0, fp, bf).to(tl.int16)
+
+
+@_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "stride_xm", "expert_offset", "nblocks", "w_kind",
+           "x_fp16"),
       dnsa=("ids_ptr", "wts_in_ptr", "x_ptr"))
 def prologue_kernel(
     ids_ptr, wts_in_ptr, x_ptr, xq_ptr, acc_ptr,
     lid_ptr, wts_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, cursor_ptr,
-    M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks,
+    M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks, w_kind, x_fp16,
     K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
     CH: tl.constexpr, BCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr, ZERO_ACC: tl.constexpr,
 ):
@@ -69,7 +98,7 @@ def prologue_kernel(
             gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + j * stride_ik, mask=sm, other=-1).to(tl.int64)
             lid = gid - expert_offset
             ok = sm & (gid >= 0) & (lid >= 0) & (lid < E)
-            w = tl.load(wts_in_ptr + m.to(tl.int64) * stride_wm + j * stride_wk, mask=sm, other=0.0).to(tl.float32)
+            w = load_weight_raw(wts_in_ptr + m.to(tl.int64) * stride_wm + j * stride_wk, sm, w_kind)
             lid32 = tl.where(ok, lid, -1).to(tl.int32)
             tl.store(lid_ptr + s, lid32, mask=sm)
             tl.store(wts_ptr + s, tl.where(ok, w, 0.0), mask=sm)
@@ -103,8 +132,8 @@ def prologue_kernel(
         for k0 in range(0, K, QK):
             ks = k0 + tl.arange(0, QK)
             msk = rm[:, None] & (ks < K)[None, :]
-            v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0.0)
-            q = quant_dequant_mxfp8_tile(v.to(tl.float32), QR, QK)
+            raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0)
+            q = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
             tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], q, mask=msk)
             if ZERO_ACC:
                 tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32), mask=msk)
@@ -282,9 +311,9 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
 
 
 # ------------------------------------------------------------------------------------- finalize
-@_jit(dns=("M", "stride_om"), dnsa=("out_ptr",))
+@_jit(dns=("M", "stride_om", "out_fp16"), dnsa=("out_ptr",))
 def finalize_kernel(
-    src_ptr, lid_ptr, out_ptr, M, stride_om,
+    src_ptr, lid_ptr, out_ptr, M, stride_om, out_fp16,
     K: tl.constexpr, TOPK: tl.constexpr, ATOMIC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -301,7 +330,7 @@ def finalize_kernel(
         for j in tl.static_range(TOPK):
             ok = tl.load(lid_ptr + r64 * TOPK + j, mask=rm, other=-1) >= 0
             acc += tl.load(src_ptr + (r64 * TOPK + j)[:, None] * K + ks[None, :], mask=msk & ok[:, None], other=0.0)
-    tl.store(out_ptr + r64[:, None] * stride_om + ks[None, :], acc.to(out_ptr.dtype.element_ty), mask=msk)
+    tl.store(out_ptr + r64[:, None] * stride_om + ks[None, :], f32_to_half_bits(acc, out_fp16), mask=msk)
 
 
 def finalize_torch(per_slot, lid, m, top_k, dtype):
