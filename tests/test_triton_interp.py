@@ -53,13 +53,12 @@ if INNER:
         tl.store(y_ptr + r[:, None] * C + c[None, :], quant_dequant_mxfp8_tile(v, R, C))
 
     @triton.jit
-    def _decode_kernel(c_ptr, s_ptr, e_ptr, o_ptr, R: tl.constexpr, BKH: tl.constexpr):
+    def _decode_kernel(c_ptr, s_ptr, e_ptr, o_ptr, R: tl.constexpr, BKH: tl.constexpr, FAST: tl.constexpr):
         r = tl.arange(0, R)
         h = tl.arange(0, BKH)
-        s = tl.arange(0, BKH // 16)
         codes = tl.load(c_ptr + r[:, None] * BKH + h[None, :])
-        sc = tl.load(s_ptr + r[:, None] * (BKH // 16) + s[None, :])
-        ev, od = decode_mxfp4_pair(codes, sc, R, BKH, tl.float32)
+        sc = tl.load(s_ptr + r[:, None] * (BKH // 16) + h[None, :] // 16)
+        ev, od = decode_mxfp4_pair(codes, sc, tl.float32, FAST)
         tl.store(e_ptr + r[:, None] * BKH + h[None, :], ev)
         tl.store(o_ptr + r[:, None] * BKH + h[None, :], od)
 
@@ -87,13 +86,16 @@ def test_interp_mxfp8_quant_is_bit_exact(seed):
 
 
 @inner
-def test_interp_mxfp4_decode_is_exact():
+@pytest.mark.parametrize("fast", [True, False])
+def test_interp_mxfp4_decode_is_exact(fast):
     g = torch.Generator().manual_seed(3)
-    codes = torch.randint(0, 256, (8, 32), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150, (8, 2), generator=g, dtype=torch.uint8)
+    codes = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # every code pair
+    lo, hi = (2, 252) if fast else (1, 254)  # the fast path's exact range; the slow path's
+    scales = torch.randint(lo, hi + 1, (8, 2), generator=g, dtype=torch.uint8)
+    scales[0, 0], scales[1, 1] = lo, hi
     ev = torch.empty(8, 32)
     od = torch.empty(8, 32)
-    _decode_kernel[(1,)](codes, scales, ev, od, R=8, BKH=32)
+    _decode_kernel[(1,)](codes, scales, ev, od, R=8, BKH=32, FAST=fast)
     want = dequantize_mxfp4(codes, scales)
     assert torch.equal(ev, want[:, 0::2]) and torch.equal(od, want[:, 1::2])
 

@@ -74,10 +74,13 @@ def prepare(spec) -> State:
     tune = bool(spec.options.get("tune", on_gpu)) and on_gpu and not P.INTERPRET
     frozen = bool(spec.options.get("frozen", True))
 
-    shared = _SHARED.get(g)
+    # Scale bytes in [2, 252] take the integer decode (the scale folded into the exponent); a
+    # checkpoint with others gets kernels of its own (the geometry key includes the choice).
+    fast = all(int(t.min()) >= 2 and int(t.max()) <= 252 for t in (spec.w13_scale, spec.w2_scale))
+    shared = _SHARED.get((g, fast))
     if shared is None:
-        shared = P.GeometryPlans(g)
-        _SHARED[g] = shared
+        shared = P.GeometryPlans(g, fast)
+        _SHARED[(g, fast)] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 
     def dense(t):

@@ -176,7 +176,7 @@ def gemm1_kernel(
     nblocks, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % nblocks
@@ -203,26 +203,24 @@ def gemm1_kernel(
     w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
     s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
     offs_h = tl.arange(0, BKH)
-    offs_s = tl.arange(0, BK // 32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     x_rows = xq_ptr + tok[:, None] * K
     for k0 in range(0, K, BK):
         hmask = (k0 // 2 + offs_h) < KH
-        smask = (k0 // 32 + offs_s) < KS
         xm = rvalid[:, None] & hmask[None, :]
         xe = tl.load(x_rows + k0 + 2 * offs_h[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
         xo = tl.load(x_rows + k0 + 1 + 2 * offs_h[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
         wm = nvalid[:, None] & hmask[None, :]
-        sm = nvalid[:, None] & smask[None, :]
+        sidx = (k0 // 2 + offs_h[None, :]) // 16  # each byte's scale, at full tile shape
         cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
-        ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE)
+        su = tl.load(s_e + up_rows[:, None] * KS + sidx, mask=wm, other=0)
+        ue, uo = decode_mxfp4_pair(cu, su, DOT_DTYPE, FAST)
         acc_u = tl.dot(xe, tl.trans(ue), acc_u)
         acc_u = tl.dot(xo, tl.trans(uo), acc_u)
         cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
-        ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE)
+        sg = tl.load(s_e + gate_rows[:, None] * KS + sidx, mask=wm, other=0)
+        ge, go = decode_mxfp4_pair(cg, sg, DOT_DTYPE, FAST)
         acc_g = tl.dot(xe, tl.trans(ge), acc_g)
         acc_g = tl.dot(xo, tl.trans(go), acc_g)
     if HAS_GS:
@@ -255,7 +253,7 @@ def gemm2_kernel(
     a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
     nblocks,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
 ):
     """``dst`` is the fp32 ``[M, K]`` accumulator (ATOMIC) or the per-slot ``[M * TOPK, K]`` buffer.
     Here BN tiles the output (K) and BK the reduction (N)."""
@@ -277,18 +275,17 @@ def gemm2_kernel(
     w_e = w_ptr + e.to(tl.int64) * (K * NH)
     s_e = s_ptr + e.to(tl.int64) * (K * NS)
     offs_h = tl.arange(0, BKH)
-    offs_s = tl.arange(0, BK // 32)
     a_rows = a_ptr + (pid_m * BM + offs_r).to(tl.int64)[:, None] * N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for n0 in range(0, N, BK):
         hmask = (n0 // 2 + offs_h) < NH
-        smask = (n0 // 32 + offs_s) < NS
         am = rvalid[:, None] & hmask[None, :]
         ae = tl.load(a_rows + n0 + 2 * offs_h[None, :], mask=am, other=0.0).to(DOT_DTYPE)
         ao = tl.load(a_rows + n0 + 1 + 2 * offs_h[None, :], mask=am, other=0.0).to(DOT_DTYPE)
-        c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=ovalid[:, None] & hmask[None, :], other=0)
-        s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=ovalid[:, None] & smask[None, :], other=0)
-        we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE)
+        wm = ovalid[:, None] & hmask[None, :]
+        c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=wm, other=0)
+        s = tl.load(s_e + offs_o[:, None] * NS + (n0 // 2 + offs_h[None, :]) // 16, mask=wm, other=0)
+        we, wo = decode_mxfp4_pair(c, s, DOT_DTYPE, FAST)
         acc = tl.dot(ae, tl.trans(we), acc)
         acc = tl.dot(ao, tl.trans(wo), acc)
     if HAS_GS:

@@ -54,35 +54,48 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def default_config(tokens: int, geometry) -> Config:
-    """A good configuration without tuning, by rows per touched expert."""
+# (bm, gemm1 (bn, bk, warps, stages), gemm2 (bn, bk, warps, stages)) by rows per touched expert:
+# the default first, then the alternatives the tuner also times. Dequantization is the ALU cost
+# each expert block pays once per weight element, so bigger blocks amortize it over more rows.
+_REGIMES = (
+    (16, [(16, (32, 256, 4, 4), (32, 256, 4, 4)), (16, (16, 256, 4, 4), (64, 128, 4, 3))]),
+    (48, [(32, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (32, 256, 4, 3), (32, 256, 4, 3))]),
+    (128, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (64, (64, 64, 8, 3), (128, 64, 8, 3))]),
+    (1 << 30, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (128, (64, 64, 8, 3), (128, 64, 8, 3))]),
+)
+
+
+def _regime(tokens: int, geometry):
     g = geometry
     slots = tokens * g.top_k
     rows = slots / max(1, min(g.num_experts, slots))
-    atomic = not g.deterministic and slots > 256
-    if rows <= 16:
-        return Config(16, 32, 256, 4, 4, 32, 256, 4, 4, atomic)
-    if rows <= 48:
-        return Config(32, 64, 128, 4, 3, 64, 128, 4, 3, atomic)
-    if rows <= 128:
-        return Config(64, 64, 128, 4, 3, 64, 128, 4, 3, atomic)
-    return Config(128, 64, 128, 8, 3, 128, 64, 8, 3, atomic)
+    for bound, cands in _REGIMES:
+        if rows <= bound:
+            return cands
+    return _REGIMES[-1][1]
+
+
+def _atomic(tokens: int, geometry) -> bool:
+    return not geometry.deterministic and tokens * geometry.top_k > 256
+
+
+def default_config(tokens: int, geometry) -> Config:
+    """A good configuration without tuning, by rows per touched expert."""
+    bm, g1, g2 = _regime(tokens, geometry)[0]
+    return Config(bm, *g1, *g2, _atomic(tokens, geometry))
 
 
 def candidate_configs(tokens: int, geometry) -> list[Config]:
-    """The small search space the tuner times for one token count."""
-    base = default_config(tokens, geometry)
-    out = {base}
-    bms = {16: (16,), 32: (16, 32), 64: (32, 64), 128: (64, 128)}[base.bm]
-    g1 = [(32, 256, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 8, 3)]
-    g2 = [(32, 256, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 64, 8, 3)]
-    for bm in bms:
-        for a in g1:
-            for b in g2:
-                if bm >= 64 and (a[0] < 64 or b[0] < 64):
-                    continue
-                out.add(Config(bm, *a, *b, base.atomic))
-    return sorted(out, key=lambda c: dataclasses.astuple(c))
+    """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately)."""
+    out = []
+    cands = _regime(tokens, geometry)
+    for bm, _, _ in cands:
+        for _, g1, _ in cands:
+            for _, _, g2 in cands:
+                c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
+                if c not in out:
+                    out.append(c)
+    return out
 
 
 class Launch:
@@ -166,8 +179,10 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry):
+    def __init__(self, geometry, fast_scales: bool):
         self.geometry = geometry
+        # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
+        self.fast_scales = fast_scales
         self.configs: dict[int, Config] = {}
         self.caps: list[int] = []
         self.launches: dict[tuple, Launch] = {}
@@ -207,12 +222,13 @@ class GeometryPlans:
         elif kind == "gemm1":
             ln = Launch(K_.gemm1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                              BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype),
+                                              BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype,
+                                              FAST=self.fast_scales),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
             ln = Launch(K_.gemm2_kernel, dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales,
                                               ATOMIC=cfg.atomic, BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2,
-                                              DOT_DTYPE=self.dot_dtype),
+                                              DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales),
                         cfg.warps2, cfg.stages2)
         else:
             f = FINALIZE
