@@ -190,9 +190,48 @@ def bench_geometry(name, geo, args, bw, peak, log):
             f"bf16 {p.get('bf16_us', float('nan')):9.1f}  tk {p.get('triton_kernels_us', float('nan')):9.1f}  "
             f"eager {p['eager_us']:7.1f} host {p['host_us']:6.1f} err {err}")
         points.append(p)
+    diag = diagnose(handles, args, E, K, top_k, log) if args.diagnose else []
+    plans = {str(c): cfg.as_dict() for c, cfg in handles[0]._state.plans.configs.items()}
     del handles, bf16, peer, layers
     torch.cuda.empty_cache()
-    return dict(geometry=dict(geo, name=name), layers=L, prepare_s=prep_s, points=points, peer_error=peer_err)
+    return dict(geometry=dict(geo, name=name), layers=L, prepare_s=prep_s, points=points, peer_error=peer_err,
+                diagnosis=diag, plans=plans)
+
+
+def diagnose(handles, args, E, K, top_k, log):
+    """Per-stage times (one layer, CUDA events) and each stage kernel's registers, spills, shared
+    memory and grid, for the diagnosis of misses."""
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton.kernels import num_blocks
+    from b12x_ops.backends.triton.plan import FINALIZE, PROLOGUE
+
+    st = handles[0]._state
+    gp = st.plans
+    g = gp.geometry
+    out = []
+    for M in [m for m in (1, 16, 64, 512, 2048, 8192) if m in args.sizes]:
+        _, ids, w = routing(M, E, top_k, "cuda", 7)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        o = torch.empty_like(x)
+        _, cfg = gp.plan_for(M)
+        b12x_ops.moe_w4a8_out(x, ids, w, handles[0], o)
+        nb = num_blocks(M * top_k, E, cfg.bm)
+        grids = {"prologue": 1 + -(-M // PROLOGUE["QR"]), "gemm1": nb * -(-g.intermediate_size // cfg.bn1),
+                 "gemm2": nb * -(-g.hidden_size // cfg.bn2),
+                 "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"])}
+        stages = {}
+        for s_ in ("prologue", "gemm1", "gemm2", "finalize"):
+            t = time_events(lambda: _launch_all(st, cfg, x, ids, w, o, stages=(s_,)), 10) * 1e6
+            ck = gp.launch(s_, cfg).compiled
+            stages[s_] = dict(us=t, programs=grids[s_], regs=getattr(ck, "n_regs", None),
+                              spills=getattr(ck, "n_spills", None), shared=getattr(ck.metadata, "shared", None),
+                              warps=gp.launch(s_, cfg).num_warps)
+        active = int(torch.unique(ids).numel())
+        log(f"  diag M={M} cfg={cfg} active experts={active} nblocks={nb}: " +
+            "; ".join(f"{k} {v['us']:.1f}us grid={v['programs']} regs={v['regs']} spills={v['spills']} "
+                      f"smem={v['shared']}" for k, v in stages.items()))
+        out.append(dict(M=M, config=cfg.as_dict(), active_experts=active, nblocks=nb, stages=stages))
+    return out
 
 
 def write_markdown(res, path):
@@ -218,6 +257,15 @@ def write_markdown(res, path):
                 f"{p.get('bf16_us', float('nan')):.1f} | {tk_s} | {ratio} | {p['pct_bf16_peak']:.0f}% | "
                 f"{p['eager_us']:.1f} | {p['eager_overhead_us']:.1f} | {p['host_us']:.1f} | {err} |")
         lines.append("")
+        if g.get("diagnosis"):
+            lines += ["Per-stage times of one layer (us), with grid (programs), registers/thread and spills:", "",
+                      "| M | bm | active experts | blocks | prologue | gemm1 | gemm2 | finalize |", "|---|---|---|---|---|---|---|---|"]
+            for d in g["diagnosis"]:
+                st = d["stages"]
+                cells = [f"{st[k]['us']:.1f} (grid {st[k]['programs']}, {st[k]['regs']} regs, {st[k]['spills']} spills)"
+                         for k in ("prologue", "gemm1", "gemm2", "finalize")]
+                lines.append(f"| {d['M']} | {d['config']['bm']} | {d['active_experts']} | {d['nblocks']} | " + " | ".join(cells) + " |")
+            lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
@@ -256,6 +304,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--triton-kernels", default=None, help="folder holding the triton_kernels package (a peer)")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -269,7 +318,8 @@ def main(argv=None):
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {peak / 1e12:.0f} TFLOP/s")
     cmd = "python benchmarks/bench_moe.py" + ("" if not args.triton_kernels else " --triton-kernels <DIR>") + \
         ("" if not args.no_tune else " --no-tune") + \
-        ("" if args.layers == 8 else f" --layers {args.layers}")
+        ("" if args.layers == 8 else f" --layers {args.layers}") + ("" if args.reps == 20 else f" --reps {args.reps}") + \
+        (" --diagnose" if args.diagnose else "")
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bw=bw, bf16_peak=peak, command=cmd, geometries=[])
     for name in args.geometries:

@@ -9,7 +9,7 @@ what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 240 python3 -m pytest tests/test_triton_gpu.py -q --maxfail=6 -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout 240 python3 -m pytest tests/test_triton_gpu.py -q --maxfail=6 -rs -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)

@@ -56,9 +56,10 @@ if INNER:
     def _decode_kernel(c_ptr, s_ptr, e_ptr, o_ptr, R: tl.constexpr, BKH: tl.constexpr, FAST: tl.constexpr):
         r = tl.arange(0, R)
         h = tl.arange(0, BKH)
+        s = tl.arange(0, BKH // 16)
         codes = tl.load(c_ptr + r[:, None] * BKH + h[None, :])
-        sc = tl.load(s_ptr + r[:, None] * (BKH // 16) + h[None, :] // 16)
-        ev, od = decode_mxfp4_pair(codes, sc, tl.float32, FAST)
+        sc = tl.load(s_ptr + r[:, None] * (BKH // 16) + s[None, :])
+        ev, od = decode_mxfp4_pair(codes, sc, R, BKH, tl.float32, FAST)
         tl.store(e_ptr + r[:, None] * BKH + h[None, :], ev)
         tl.store(o_ptr + r[:, None] * BKH + h[None, :], od)
 

@@ -218,7 +218,7 @@ _W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
-    from .kernels import num_blocks
+    from .kernels import num_blocks  # (cached imports: cheap, and keep this module light to import)
     from .plan import FINALIZE, PROLOGUE
 
     gp = state.plans

@@ -203,24 +203,25 @@ def gemm1_kernel(
     w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
     s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
     offs_h = tl.arange(0, BKH)
+    offs_s = tl.arange(0, BK // 32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     x_rows = xq_ptr + tok[:, None] * K
     for k0 in range(0, K, BK):
         hmask = (k0 // 2 + offs_h) < KH
+        sm = nvalid[:, None] & ((k0 // 32 + offs_s) < KS)[None, :]
         xm = rvalid[:, None] & hmask[None, :]
         xe = tl.load(x_rows + k0 + 2 * offs_h[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
         xo = tl.load(x_rows + k0 + 1 + 2 * offs_h[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
         wm = nvalid[:, None] & hmask[None, :]
-        sidx = (k0 // 2 + offs_h[None, :]) // 16  # each byte's scale, at full tile shape
         cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        su = tl.load(s_e + up_rows[:, None] * KS + sidx, mask=wm, other=0)
-        ue, uo = decode_mxfp4_pair(cu, su, DOT_DTYPE, FAST)
+        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
+        ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE, FAST)
         acc_u = tl.dot(xe, tl.trans(ue), acc_u)
         acc_u = tl.dot(xo, tl.trans(uo), acc_u)
         cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        sg = tl.load(s_e + gate_rows[:, None] * KS + sidx, mask=wm, other=0)
-        ge, go = decode_mxfp4_pair(cg, sg, DOT_DTYPE, FAST)
+        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
+        ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE, FAST)
         acc_g = tl.dot(xe, tl.trans(ge), acc_g)
         acc_g = tl.dot(xo, tl.trans(go), acc_g)
     if HAS_GS:
@@ -275,6 +276,7 @@ def gemm2_kernel(
     w_e = w_ptr + e.to(tl.int64) * (K * NH)
     s_e = s_ptr + e.to(tl.int64) * (K * NS)
     offs_h = tl.arange(0, BKH)
+    offs_s = tl.arange(0, BK // 32)
     a_rows = a_ptr + (pid_m * BM + offs_r).to(tl.int64)[:, None] * N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for n0 in range(0, N, BK):
@@ -284,8 +286,9 @@ def gemm2_kernel(
         ao = tl.load(a_rows + n0 + 1 + 2 * offs_h[None, :], mask=am, other=0.0).to(DOT_DTYPE)
         wm = ovalid[:, None] & hmask[None, :]
         c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=wm, other=0)
-        s = tl.load(s_e + offs_o[:, None] * NS + (n0 // 2 + offs_h[None, :]) // 16, mask=wm, other=0)
-        we, wo = decode_mxfp4_pair(c, s, DOT_DTYPE, FAST)
+        sm = ovalid[:, None] & ((n0 // 32 + offs_s) < NS)[None, :]
+        s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=sm, other=0)
+        we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
         acc = tl.dot(ae, tl.trans(we), acc)
         acc = tl.dot(ao, tl.trans(wo), acc)
     if HAS_GS:

@@ -42,18 +42,20 @@ def _scaled_bits(nib, base):
 
 
 @triton.jit
-def decode_mxfp4_pair(codes, scale_bytes, OUT_DTYPE: tl.constexpr, FAST: tl.constexpr):
+def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                      FAST: tl.constexpr):
     """Decode a ``[BR, BKH]`` tile of MXFP4 bytes into its even and odd elements.
 
-    ``scale_bytes`` is ``[BR, BKH]`` too: byte ``i``'s E8M0 block scale (loaded at full shape, so
-    no register reshape is needed). Returns ``(even, odd)``, each ``[BR, BKH]`` in ``OUT_DTYPE``:
-    ``even[:, i]`` is element ``2i`` of the tile (the low nibble of byte ``i``), ``odd[:, i]``
-    element ``2i + 1``. ``FAST`` folds the scale into the bf16 exponent with integer ops (scale
-    bytes in [2, 252]); otherwise the decoded value is multiplied by the scale in fp32.
+    ``scale_bytes`` is the ``[BR, BKH // 16]`` E8M0 bytes of the tile (one per 16 bytes = 32
+    elements). Returns ``(even, odd)``, each ``[BR, BKH]`` in ``OUT_DTYPE``: ``even[:, i]`` is
+    element ``2i`` of the tile (the low nibble of byte ``i``), ``odd[:, i]`` element ``2i + 1``.
+    ``FAST`` folds the scale into the bf16 exponent with integer ops (scale bytes in [2, 252]);
+    otherwise the decoded value is multiplied by the scale in fp32.
     """
     c = codes.to(tl.int32)
     if FAST:
         base = (scale_bytes.to(tl.int32) << 7) - 128
+        base = tl.reshape(tl.broadcast_to(base[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
         even = _scaled_bits(c & 15, base).to(tl.int16).to(tl.bfloat16, bitcast=True).to(OUT_DTYPE)
         odd = _scaled_bits(c >> 4, base).to(tl.int16).to(tl.bfloat16, bitcast=True).to(OUT_DTYPE)
     else:
@@ -61,6 +63,7 @@ def decode_mxfp4_pair(codes, scale_bytes, OUT_DTYPE: tl.constexpr, FAST: tl.cons
         hi = e2m1_bits_bf16(c >> 4).to(tl.int16).to(tl.bfloat16, bitcast=True)
         # 2^(byte - 127) on its bits (byte 0 gives 0 instead of 2^-127: below any useful weight).
         sc = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
         even = (lo.to(tl.float32) * sc).to(OUT_DTYPE)
         odd = (hi.to(tl.float32) * sc).to(OUT_DTYPE)
     return even, odd

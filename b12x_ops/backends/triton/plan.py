@@ -109,11 +109,11 @@ class Launch:
         self.compiled = None
         self.frozen = False
         names = fn.arg_names
-        self._cx_pos = [(names.index(k), v) for k, v in constexprs.items()]
+        self._cx_pos = sorted((names.index(k), v) for k, v in constexprs.items())
 
     def _full_args(self, args):
         full = list(args)
-        for pos, v in sorted(self._cx_pos):
+        for pos, v in self._cx_pos:
             full.insert(pos, v)
         return full
 
@@ -130,24 +130,25 @@ class Launch:
                 self._full = None
             return
         full = self._full_args(args)
-        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
         g = tuple(grid) + (1,) * (3 - len(grid))
-        md = ck.launch_metadata(g, stream, *full) if _enter_hook() is not None else None
-        ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, md, _enter_hook(), _exit_hook(), *full)
+        enter, leave = _hooks()
+        md = ck.launch_metadata(g, stream, *full) if enter is not None else None
+        ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, md, enter, leave, *full)
 
 
-def _knobs():
-    return getattr(triton, "knobs", None)
+def _active(hook):
+    """A launch hook that does something, or None (newer triton keeps an empty HookChain)."""
+    if hook is None or (hasattr(hook, "calls") and not hook.calls):
+        return None
+    return hook
 
 
-def _enter_hook():
-    k = _knobs()
-    return k.runtime.launch_enter_hook if k is not None else None
-
-
-def _exit_hook():
-    k = _knobs()
-    return k.runtime.launch_exit_hook if k is not None else None
+def _hooks():
+    k = getattr(triton, "knobs", None)
+    if k is None:
+        return None, None
+    return _active(k.runtime.launch_enter_hook), _active(k.runtime.launch_exit_hook)
 
 
 class Arena:
