@@ -101,6 +101,14 @@ class PreparedExperts(OpaqueBase):
     def __hash__(self):
         return hash(("b12x_ops.PreparedExperts", self.key))
 
+    # A handle is an identity, not a value to clone: copies (torch.compile deep-copies graph
+    # constants) are the handle itself, so no prepared weights or plans are ever duplicated.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
     def __fx_repr__(self):
         return f"PreparedExperts._lookup({self.key})", {"PreparedExperts": PreparedExperts}
 

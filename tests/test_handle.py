@@ -75,3 +75,11 @@ def test_import_is_light():
     code = "import sys, b12x_ops; print(sorted(m for m in ('b12x', 'b12x_next', 'triton') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_copies_are_the_handle_itself():
+    import copy
+
+    h = make_layer().prepare()
+    assert copy.copy(h) is h and copy.deepcopy(h) is h
+    assert copy.deepcopy({"layer": h})["layer"] is h
