@@ -41,7 +41,8 @@ if INNER:
     import b12x_ops
     from b12x_ops.backends.reference import ep_remap as ep_remap_torch
     from b12x_ops.backends.triton import kernels as K_
-    from b12x_ops.backends.triton.mxtl import decode_mxfp4_pair, quant_dequant_mxfp8_tile
+    from b12x_ops.backends.triton import plan as P
+    from b12x_ops.backends.triton.mxtl import decode_mxfp4_pair, e2m1_pair_f32_2m14, quant_dequant_mxfp8_tile
     from b12x_ops.backends.triton.remap import ep_remap
     from b12x_ops.mx import dequantize_mxfp4, quant_dequant_mxfp8
 
@@ -62,6 +63,13 @@ if INNER:
         ev, od = decode_mxfp4_pair(codes, sc, R, BKH, tl.float32, FAST)
         tl.store(e_ptr + r[:, None] * BKH + h[None, :], ev)
         tl.store(o_ptr + r[:, None] * BKH + h[None, :], od)
+
+    @triton.jit
+    def _gemv_decode_kernel(c_ptr, lo_ptr, hi_ptr):
+        i = tl.arange(0, 256)
+        lo, hi = e2m1_pair_f32_2m14(tl.load(c_ptr + i).to(tl.int32))
+        tl.store(lo_ptr + i, lo)
+        tl.store(hi_ptr + i, hi)
 
 
 def _awkward_values(rows, cols, seed):
@@ -132,9 +140,83 @@ def test_interp_routing_matches_twin(name, bm):
 
 
 @inner
+def test_interp_gemv_decode_every_code_exactly():
+    codes = torch.arange(256, dtype=torch.uint8)  # every (low, high) code pair
+    lo = torch.empty(256)
+    hi = torch.empty(256)
+    _gemv_decode_kernel[(1,)](codes, lo, hi)
+    want = dequantize_mxfp4(codes[None, :], torch.full((1, 16), 127, dtype=torch.uint8))[0]  # scale 1
+    assert torch.equal(lo * 16384.0, want[0::2]) and torch.equal(hi * 16384.0, want[1::2])
+    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    assert torch.equal((lo[:16] * 16384.0), table)  # the 16 codes (sign of -0 included)
+    assert torch.equal(torch.signbit(lo[:16]), torch.signbit(table))
+
+
+@inner
+def test_interp_gemv_is_chosen_for_small_counts():
+    layer = make_layer(E=8, K=64, N=32, top_k=4)
+    h = layer.prepare(backend="triton", max_tokens=64)
+    g = h._state.plans.geometry
+    small = P.GEMV_MAX_SLOTS // g.top_k
+    assert P.default_config(small, g).gemv and P.default_config(small, g).bm == 1
+    assert not P.default_config(small + 1, g).gemv
+    assert not P.default_config(small, g, gemv=False).gemv and P.default_config(1 << 20, g, gemv=True).gemv
+    kinds = {c.gemv for c in P.candidate_configs(small, g)}
+    assert kinds == {True, False}  # the tuner times both paths where GEMV may serve
+    assert {c.gemv for c in P.candidate_configs(small + 1, g)} == {False}
+    assert {c.gemv for c in P.candidate_configs(small + 1, g, gemv=True)} == {True}
+    assert all(c.bn1 % 32 == 0 and c.bk1 % 32 == 0 and c.bk2 % 32 == 0 for c in P.candidate_configs(1, g) if c.gemv)
+    assert h._state.plans.configs[1].gemv and not h._state.plans.configs[64].gemv
+    with pytest.raises(ValueError, match="gemv"):
+        layer.prepare(backend="triton", gemv="yes")
+
+
+@inner
+@pytest.mark.parametrize("variant", [
+    dict(layout="w13", limit=None, global_scales=False),
+    dict(layout="w31", limit=3.0, global_scales=True, offset=3),
+])
+@pytest.mark.parametrize("bk", [32, 64])
+def test_interp_gemv_stages_match_twins(variant, bk):
+    # K=96: a K step of 64 leaves a masked tail; N=96: a BN of 64 leaves a masked N tile
+    layer = make_layer(E=5, K=96, N=96, top_k=3, seed=4, **variant)
+    x, ids, w = make_batch(layer, 7, seed=3, padding_rows=2)  # foreign and padding slots too
+    h = layer.prepare(backend="triton", max_tokens=8, deterministic=True, gemv=True)
+    st = h._state
+    gp = st.plans
+    cfg = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True)
+    gp.reserve(8, cfg)
+    out = torch.empty_like(x)
+    from b12x_ops.backends.triton import _launch_all
+    _launch_all(st, cfg, x, ids, w, out, stages=("prologue", "gemm1", "gemm2"))
+    a = gp.arena.buffers
+    N, K = layer.N, layer.K
+    S = ids.numel()
+    nb = K_.num_blocks(S, layer.E, 1)
+    xq = quant_dequant_mxfp8(x.float())
+    lid = a["lid"][:S]
+    seen = set()
+    g13, g2 = layer.w13_global_scale, layer.w2_global_scale
+    for b in range(nb):
+        e = int(a["blk_expert"][b])
+        if e < 0:
+            continue
+        s = int(a["sorted"][b])
+        seen.add(s)
+        assert int(lid[s]) == e
+        want = K_.gemv1_torch(xq[s // layer.top_k], layer.w13, layer.w13_scale, e, layer.layout, layer.limit, g13)
+        got = a["act"][b * N: (b + 1) * N]
+        assert (got != want).float().mean() < 0.02  # a sigmoid ulp may flip a rare MXFP8 rounding
+        assert rel_l2(got, want) < 1e-3
+        y = K_.gemv2_torch(got, layer.w2, layer.w2_scale, e, float(a["wts"][s]), g2)
+        assert rel_l2(a["slots"][s * K: (s + 1) * K], y) < 1e-5
+    assert seen == set((lid >= 0).nonzero().squeeze(1).tolist())  # every local slot, once
+
+
+@inner
 def test_interp_gemm1_stage_matches_twin():
     layer, (x, ids, w) = case("int64_bf16w")
-    h = layer.prepare(backend="triton", max_tokens=8)
+    h = layer.prepare(backend="triton", max_tokens=8, gemv=False)
     b12x_ops.moe_w4a8(x, ids, w, h)
     gp = h._state.plans
     a = gp.arena.buffers
@@ -156,9 +238,10 @@ def test_interp_gemm1_stage_matches_twin():
 @inner
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_interp_layer_matches_reference(name, deterministic):
+@pytest.mark.parametrize("gemv", [None, False])  # None: the default (GEMV at these sizes)
+def test_interp_layer_matches_reference(name, deterministic, gemv):
     layer, (x, ids, w) = case(name)
-    h = layer.prepare(backend="triton", max_tokens=16, deterministic=deterministic)
+    h = layer.prepare(backend="triton", max_tokens=16, deterministic=deterministic, gemv=gemv)
     ref = layer.prepare(backend="reference")
     got = b12x_ops.moe_w4a8(x, ids, w, h)
     want = b12x_ops.moe_w4a8(x, ids, w, ref)
@@ -182,16 +265,41 @@ def test_interp_every_input_dtype_through_one_kernel(w_dtype, id_dtype):
 
 @inner
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_interp_atomic_and_chunked_paths(deterministic):
+@pytest.mark.parametrize("gemv", [None, True])
+def test_interp_atomic_and_chunked_paths(deterministic, gemv):
     # 80 tokens x top-4 = 320 slots: the default mode takes the atomic reduction; max_tokens=32
-    # makes the handle run it in chunks.
+    # makes the handle run it in chunks. gemv=True forces the GEMV kernels there (atomic mode too).
     layer = make_layer(E=6, K=64, N=32, top_k=4, limit=10.0, layout="w31", global_scales=True, offset=2)
     x, ids, w = make_batch(layer, 80, seed=4, w_dtype=torch.float16, padding_rows=3)
-    for max_tokens in (128, 32):
-        h = layer.prepare(backend="triton", max_tokens=max_tokens, deterministic=deterministic)
+    want = b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))
+    # (the interpreter runs GEMV's many small programs slowly: one size each for it)
+    for max_tokens in (128, 32) if not gemv else (32 if deterministic else 128,):
+        h = layer.prepare(backend="triton", max_tokens=max_tokens, deterministic=deterministic, gemv=gemv)
+        assert h._state.plans.plan_for(80)[1].gemv == bool(gemv)
         got = b12x_ops.moe_w4a8(x, ids, w, h)
-        want = b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))
         assert rel_l2(got, want) <= 1e-2
+
+
+@inner
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_interp_gemv_and_blocked_agree_in_fp32(deterministic):
+    # the fp32 sums before the final rounding: the two paths differ only in fp32 summation order
+    layer = make_layer(E=6, K=128, N=64, top_k=4, limit=7.0, seed=9)
+    for M in (1, 5, 16):
+        x, ids, w = make_batch(layer, M, seed=M, padding_rows=1)
+        sums = []
+        for mode in (True, False):
+            h = layer.prepare(backend="triton", max_tokens=16, gemv=mode, deterministic=deterministic)
+            b12x_ops.moe_w4a8(x, ids, w, h)
+            cfg = h._state.plans.plan_for(M)[1]
+            assert cfg.gemv == mode
+            a = h._state.plans.arena.buffers
+            if cfg.atomic:
+                sums.append(a["acc"][: M * layer.K].view(M, -1).clone())
+            else:
+                ok = (a["lid"][: ids.numel()] >= 0)[:, None]  # other slots' rows are never written
+                sums.append(torch.where(ok, a["slots"][: ids.numel() * layer.K].view(-1, layer.K), 0.0))
+        assert rel_l2(sums[0], sums[1]) < 1e-5
 
 
 @inner

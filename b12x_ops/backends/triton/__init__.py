@@ -6,6 +6,10 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   per geometry and GPU; results are cached on disk (``cache_dir``, else ``$B12X_OPS_CACHE_DIR``,
   else ``~/.cache/b12x_ops``) and reused by later processes. ``False`` uses the built-in defaults.
 * ``cache_dir`` (str): where the tuning cache lives.
+* ``gemv`` (bool or None, default None): the small-M GEMV path (CUDA cores, one routed slot a
+  program) serves token counts of at most ``plan.GEMV_MAX_SLOTS`` slots (``tokens * top_k``), the
+  blocked tensor-core path the rest (the tuner may pick either below the bound); ``True`` uses
+  GEMV for every planned count, ``False`` never (benchmarks compare the two this way).
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 
@@ -23,7 +27,7 @@ import weakref
 import torch
 
 NAME = "triton"
-_OPTIONS = ("tune", "cache_dir", "frozen")
+_OPTIONS = ("tune", "cache_dir", "frozen", "gemv")
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
@@ -73,14 +77,17 @@ def prepare(spec) -> State:
     on_gpu = g.device.type == "cuda"
     tune = bool(spec.options.get("tune", on_gpu)) and on_gpu and not P.INTERPRET
     frozen = bool(spec.options.get("frozen", True))
+    gemv = spec.options.get("gemv", None)
+    if gemv is not None and not isinstance(gemv, bool):
+        raise ValueError(f"prepare_experts: backend 'triton' option gemv: expected None, True or False, got {gemv!r}")
 
     # Scale bytes in [2, 252] take the integer decode (the scale folded into the exponent); a
     # checkpoint with others gets kernels of its own (the geometry key includes the choice).
     fast = all(int(t.min()) >= 2 and int(t.max()) <= 252 for t in (spec.w13_scale, spec.w2_scale))
-    shared = _SHARED.get((g, fast))
+    shared = _SHARED.get((g, fast, gemv))
     if shared is None:
-        shared = P.GeometryPlans(g, fast)
-        _SHARED[(g, fast)] = shared
+        shared = P.GeometryPlans(g, fast, gemv)
+        _SHARED[(g, fast, gemv)] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 
     def dense(t):
@@ -132,9 +139,10 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     from . import plan as P
 
     g = state.plans.geometry
+    mode = state.plans.gemv
     if not tune:
-        return {c: P.default_config(c, g) for c in caps}
-    path = P.cache_path(g, P.cache_dir(cache_dir_opt))
+        return {c: P.default_config(c, g, mode) for c in caps}
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -142,7 +150,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
                               f"N={g.intermediate_size})", len(todo))
         for cap in todo:
             cached[cap] = _tune_one(state, cap)
-            progress.step(f"{cap} tokens -> bm={cached[cap].bm}")
+            progress.step(f"{cap} tokens -> {'gemv' if cached[cap].gemv else f'bm={cached[cap].bm}'}")
         P.save_cache(path, P.load_cache(path) | cached, g)
     return {c: cached[c] for c in caps}
 
@@ -169,10 +177,10 @@ def _tune_one(state, cap):
     g = gp.geometry
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
-    cands = P.candidate_configs(cap, g)
+    cands = P.candidate_configs(cap, g, gp.gemv)
     best = None
-    for bm in sorted({c.bm for c in cands}):
-        group = [c for c in cands if c.bm == bm]
+    for bm, gemv in sorted({(c.bm, c.gemv) for c in cands}):
+        group = [c for c in cands if c.bm == bm and c.gemv == gemv]
         gp.reserve(cap, group[0])
         # routing for this block size, once
         _launch_all(state, group[0], x, ids, w, out, stages=("prologue",))
@@ -194,7 +202,7 @@ def _tune_one(state, cap):
         b2 = min(t2, key=t2.get)
         total = t1[b1] + t2[b2]
         if best is None or total < best[0]:
-            best = (total, P.Config(bm, *b1, *b2, group[0].atomic))
+            best = (total, P.Config(bm, *b1, *b2, group[0].atomic, gemv=gemv))
     return best[1]
 
 

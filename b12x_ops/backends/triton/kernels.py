@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..reference import swiglu as swiglu_torch
 from ...mx import dequantize_mxfp4, quant_dequant_mxfp8
-from .mxtl import decode_mxfp4_pair, quant_dequant_mxfp8_tile
+from .mxtl import decode_mxfp4_pair, e2m1_pair_f32_2m14, e8m0_f32, quant_dequant_mxfp8_tile
 
 
 def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
@@ -308,6 +308,142 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
     if g2 is not None:
         y = y * g2[e]
     return y * weights[:, None]
+
+
+# ---------------------------------------------------------------------------------- small-M GEMV
+# The small-M path: routing with blocks of ONE row (``BM = 1``: ``sorted[b]`` is a slot and
+# ``blk_expert[b]`` its expert, slots of one expert adjacent, so duplicates of an expert run side
+# by side and share its weights in L2), then per (slot, tile) a matrix-vector product on the CUDA
+# cores: no tensor-core tile padded from 1 row to 16, no layout conversion of the decoded weights.
+# The E2M1 codes decode to fp32 (times 2^-14) and multiply x elementwise; the products are summed
+# per 32-element block first, so the E8M0 scale (and 2^14) is one multiply per 32 elements.
+# Same arguments, grids (with bm = 1) and buffers as gemm1/gemm2, so routing, the arena and
+# finalize are shared with the blocked path.
+@_jit(dns=("nblocks",))
+def gemv1_kernel(
+    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
+    nblocks, limit,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Program (row block b, N tile): ``dq8(silu(gate) * up)`` of slot ``sorted[b]``, ``[BN]``."""
+    pid = tl.program_id(0)
+    b = pid % nblocks
+    pid_n = pid // nblocks
+    e = tl.load(blk_expert_ptr + b)
+    if e < 0:
+        return
+    slot = tl.load(sorted_ptr + b)
+    tok = (slot // TOPK).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < N
+    if UP_FIRST:
+        up_rows = offs_n
+        gate_rows = offs_n + N
+    else:
+        up_rows = offs_n + N
+        gate_rows = offs_n
+    KH: tl.constexpr = K // 2
+    KS: tl.constexpr = K // 32
+    NB: tl.constexpr = BK // 32
+    w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
+    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
+    j = tl.arange(0, NB)  # 32-element block within the chunk
+    i = tl.arange(0, 16)  # byte within the block
+    byte_off = j[:, None] * 16 + i[None, :]  # [NB, 16]
+    x_row = xq_ptr + tok * K
+    acc_u = tl.zeros((BN, NB), dtype=tl.float32)
+    acc_g = tl.zeros((BN, NB), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        bvalid = (k0 // 32 + j) < KS  # [NB]
+        xm = bvalid[:, None] & (i >= 0)[None, :]
+        xe = tl.load(x_row + k0 + 2 * byte_off, mask=xm, other=0.0).to(tl.float32)
+        xo = tl.load(x_row + k0 + 1 + 2 * byte_off, mask=xm, other=0.0).to(tl.float32)
+        wm = nvalid[:, None, None] & xm[None, :, :]
+        sm = nvalid[:, None] & bvalid[None, :]
+        cu = tl.load(w_e + up_rows[:, None, None] * KH + k0 // 2 + byte_off[None, :, :], mask=wm, other=0)
+        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
+        ul, uh = e2m1_pair_f32_2m14(cu.to(tl.int32))
+        pu = tl.sum(ul * xe[None, :, :] + uh * xo[None, :, :], axis=2)
+        acc_u += (pu * 16384.0) * e8m0_f32(su)
+        cg = tl.load(w_e + gate_rows[:, None, None] * KH + k0 // 2 + byte_off[None, :, :], mask=wm, other=0)
+        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
+        gl, gh = e2m1_pair_f32_2m14(cg.to(tl.int32))
+        pg = tl.sum(gl * xe[None, :, :] + gh * xo[None, :, :], axis=2)
+        acc_g += (pg * 16384.0) * e8m0_f32(sg)
+    hu = tl.sum(acc_u, axis=1)
+    hg = tl.sum(acc_g, axis=1)
+    if HAS_GS:
+        g = tl.load(gs_ptr + e)
+        hu = hu * g
+        hg = hg * g
+    if HAS_LIMIT:
+        hg = tl.minimum(hg, limit)
+        hu = tl.minimum(tl.maximum(hu, -limit), limit)
+    act = hg * tl.sigmoid(hg) * hu
+    act = tl.reshape(quant_dequant_mxfp8_tile(tl.reshape(act, (1, BN)), 1, BN), (BN,))
+    tl.store(a_ptr + b.to(tl.int64) * N + offs_n, act, mask=nvalid)
+
+
+@_jit(dns=("nblocks",))
+def gemv2_kernel(
+    a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+    nblocks,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Program (row block b, K tile of BN outputs): ``wts[slot] * dq8(a) @ W2[e]^T`` reduced over N
+    in BK steps, added into the fp32 accumulator (ATOMIC) or stored in the slot's row."""
+    pid = tl.program_id(0)
+    b = pid % nblocks
+    pid_n = pid // nblocks
+    e = tl.load(blk_expert_ptr + b)
+    if e < 0:
+        return
+    slot = tl.load(sorted_ptr + b)
+    offs_o = pid_n * BN + tl.arange(0, BN)
+    ovalid = offs_o < K
+    NH: tl.constexpr = N // 2
+    NS: tl.constexpr = N // 32
+    NB: tl.constexpr = BK // 32
+    w_e = w_ptr + e.to(tl.int64) * (K * NH)
+    s_e = s_ptr + e.to(tl.int64) * (K * NS)
+    j = tl.arange(0, NB)
+    i = tl.arange(0, 16)
+    byte_off = j[:, None] * 16 + i[None, :]
+    a_row = a_ptr + b.to(tl.int64) * N
+    acc = tl.zeros((BN, NB), dtype=tl.float32)
+    for n0 in range(0, N, BK):
+        bvalid = (n0 // 32 + j) < NS
+        am = bvalid[:, None] & (i >= 0)[None, :]
+        ae = tl.load(a_row + n0 + 2 * byte_off, mask=am, other=0.0).to(tl.float32)
+        ao = tl.load(a_row + n0 + 1 + 2 * byte_off, mask=am, other=0.0).to(tl.float32)
+        wm = ovalid[:, None, None] & am[None, :, :]
+        c = tl.load(w_e + offs_o[:, None, None] * NH + n0 // 2 + byte_off[None, :, :], mask=wm, other=0)
+        sc = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + j[None, :], mask=ovalid[:, None] & bvalid[None, :],
+                     other=0)
+        lo, hi = e2m1_pair_f32_2m14(c.to(tl.int32))
+        p = tl.sum(lo * ae[None, :, :] + hi * ao[None, :, :], axis=2)
+        acc += (p * 16384.0) * e8m0_f32(sc)
+    y = tl.sum(acc, axis=1)
+    if HAS_GS:
+        y = y * tl.load(gs_ptr + e)
+    y = y * tl.load(wts_ptr + slot)
+    if ATOMIC:
+        tok = (slot // TOPK).to(tl.int64)
+        tl.atomic_add(dst_ptr + tok * K + offs_o, y, mask=ovalid, sem="relaxed")
+    else:
+        tl.store(dst_ptr + slot.to(tl.int64) * K + offs_o, y, mask=ovalid)
+
+
+def gemv1_torch(xq_row, w13, w13_scale, e, layout, limit, g13=None):
+    """Twin of ``gemv1_kernel`` for one slot: a dq8 row ``[K]`` to ``dq8(a)`` ``[N]``."""
+    return gemm1_torch(xq_row[None, :], w13, w13_scale, e, layout, limit, g13)[0]
+
+
+def gemv2_torch(a_row, w2, w2_scale, e, weight, g2=None):
+    """Twin of ``gemv2_kernel`` for one slot: ``weight * dq8(a) @ W2[e]^T``, fp32 ``[K]``."""
+    return gemm2_torch(a_row[None, :], w2, w2_scale, e, torch.as_tensor([weight], dtype=torch.float32, device=a_row.device), g2)[0]
 
 
 # ------------------------------------------------------------------------------------- finalize

@@ -49,6 +49,9 @@ class Config:
     warps2: int
     stages2: int
     atomic: bool  # reduce into an fp32 accumulator with atomics (else per-slot rows, deterministic)
+    # the small-M path: gemv1/gemv2 on the CUDA cores, one slot a program (bm is then 1, and
+    # bn1/bk1/warps1/stages1, bn2/bk2/warps2/stages2 are the two GEMV kernels' tiles)
+    gemv: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -79,15 +82,49 @@ def _atomic(tokens: int, geometry) -> bool:
     return not geometry.deterministic and tokens * geometry.top_k > 256
 
 
-def default_config(tokens: int, geometry) -> Config:
-    """A good configuration without tuning, by rows per touched expert."""
+# The GEMV path is the default up to this many routed slots (tokens * top_k) a call: there nearly
+# every expert block of the blocked path has one row, so its tensor-core tiles are 15/16 padding.
+GEMV_MAX_SLOTS = 64
+# GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 32; bk: K step, a multiple of
+# 32; warps; stages), gemv2 (bn: K outputs; bk: N step) -- the default first, then alternatives.
+_GEMV = (
+    ((32, 256, 4, 3), (32, 256, 4, 3)),
+    ((64, 128, 4, 3), (64, 128, 4, 3)),
+    ((32, 512, 8, 2), (16, 512, 4, 2)),
+)
+
+
+def use_gemv(tokens: int, geometry, mode=None) -> bool:
+    """Whether the GEMV path serves ``tokens``: ``mode`` True/False forces it, None decides by size."""
+    if mode is not None:
+        return bool(mode)
+    return tokens * geometry.top_k <= GEMV_MAX_SLOTS
+
+
+def gemv_config(tokens: int, geometry, i: int = 0) -> Config:
+    g1, g2 = _GEMV[i]
+    return Config(1, *g1, *g2, _atomic(tokens, geometry), gemv=True)
+
+
+def default_config(tokens: int, geometry, gemv=None) -> Config:
+    """A good configuration without tuning: the GEMV path for few slots (``gemv`` None), else by
+    rows per touched expert."""
+    if use_gemv(tokens, geometry, gemv):
+        return gemv_config(tokens, geometry)
     bm, g1, g2 = _regime(tokens, geometry)[0]
     return Config(bm, *g1, *g2, _atomic(tokens, geometry))
 
 
-def candidate_configs(tokens: int, geometry) -> list[Config]:
-    """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately)."""
+def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
+    """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately):
+    the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced."""
     out = []
+    if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
+        for g1, _ in _GEMV:
+            for _, g2 in _GEMV:
+                out.append(Config(1, *g1, *g2, _atomic(tokens, geometry), gemv=True))
+    if gemv is True:
+        return out
     cands = _regime(tokens, geometry)
     for bm, _, _ in cands:
         for _, g1, _ in cands:
@@ -180,8 +217,9 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool):
+    def __init__(self, geometry, fast_scales: bool, gemv=None):
         self.geometry = geometry
+        self.gemv = gemv  # the GEMV path: None by token count, True always, False never
         # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
         self.fast_scales = fast_scales
         self.configs: dict[int, Config] = {}
@@ -205,6 +243,10 @@ class GeometryPlans:
         g = self.geometry
         if kind == "prologue":
             key = (kind, cfg.bm, cfg.atomic)
+        elif kind == "gemm1" and cfg.gemv:
+            key = ("gemv1", cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
+        elif kind == "gemm2" and cfg.gemv:
+            key = ("gemv2", cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
@@ -220,6 +262,15 @@ class GeometryPlans:
             ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, CH=p["CH"],
                                                  BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic),
                         p["warps"], 1)
+        elif kind == "gemm1" and cfg.gemv:
+            ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+                                              HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
+                                              BN=cfg.bn1, BK=cfg.bk1),
+                        cfg.warps1, cfg.stages1)
+        elif kind == "gemm2" and cfg.gemv:
+            ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales,
+                                              ATOMIC=cfg.atomic, BN=cfg.bn2, BK=cfg.bk2),
+                        cfg.warps2, cfg.stages2)
         elif kind == "gemm1":
             ln = Launch(K_.gemm1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
@@ -271,11 +322,11 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str) -> str:
+def cache_path(geometry, directory: str, gemv=None) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 1])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 2, gemv])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
