@@ -34,6 +34,7 @@ GEOMETRIES = {
     "qwen3-30b-a3b": dict(E=128, K=2048, N=768, top_k=8, limit=None),
 }
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+DEVICE = "cuda"  # (a dry run of --gemv-compare on the CPU interpreter sets "cpu")
 
 
 def measure_copy_bandwidth(nbytes=2 << 30):
@@ -295,6 +296,66 @@ def plot(res, path):
     fig.savefig(path, dpi=110)
 
 
+def gemv_compare(args, log, bw=4.27e12):
+    """GEMV path (gemv=True) against the blocked path (gemv=False) per geometry and M: CUDA-graph
+    replay over ``--layers`` layers' handles, the HBM limit at ``bw`` bytes/s (distinct experts'
+    weights and scales), and each path's error against the reference on layer 0. Returns the
+    markdown table."""
+    rows = []
+    for name in args.geometries:
+        geo = GEOMETRIES[name]
+        E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
+        L = args.layers
+        expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
+        layers = [random_layer(E, K, N, DEVICE, 100 + i) for i in range(L)]
+        handles = {}
+        for mode in (True, False):
+            t0 = time.perf_counter()
+            try:
+                handles[mode] = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
+                                                          tune=not args.no_tune, gemv=mode, max_tokens=max(args.sizes))
+                                 for lw in layers]
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other path
+                log(f"{name}: prepare gemv={mode} failed: {type(exc).__name__}: {exc}")
+            log(f"{name}: prepared gemv={mode} in {time.perf_counter() - t0:.1f}s")
+        ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
+        for M in args.sizes:
+            rt = [routing(M, E, top_k, DEVICE, 1000 * i + M) for i in range(L)]
+            xs = [torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16) for _ in range(L)]
+            want = b12x_ops.moe_w4a8(xs[0], rt[0][1], rt[0][2], ref).float()
+            distinct = sum(int(torch.unique(r[1]).numel()) for r in rt) / L
+            t_hbm = distinct * expert_bytes / bw
+            res = {}
+            for mode, hs in handles.items():
+                outs = [torch.empty_like(x) for x in xs]
+                try:
+                    t = graph_time([(lambda i=i: b12x_ops.moe_w4a8_out(xs[i], rt[i][1], rt[i][2], hs[i], outs[i]))
+                                    for i in range(L)], args.reps)
+                    err = float((outs[0].float() - want).norm() / want.norm())
+                    res[mode] = (t, err)
+                except Exception as exc:  # noqa: BLE001
+                    log(f"{name} M={M} gemv={mode} failed: {type(exc).__name__}: {exc}")
+            gv, bl = res.get(True), res.get(False)
+            rows.append((name, M, t_hbm, gv, bl))
+            log(f"  {name} M={M}: limit {t_hbm * 1e6:.1f} us, gemv {gv[0] * 1e6 if gv else float('nan'):.1f} us "
+                f"(err {gv[1] if gv else float('nan'):.1e}), blocked {bl[0] * 1e6 if bl else float('nan'):.1f} us "
+                f"(err {bl[1] if bl else float('nan'):.1e})")
+        del handles, layers, ref
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    out = [f"GEMV vs blocked path, us per layer (CUDA-graph replay over {args.layers} layers, tune="
+           f"{not args.no_tune}); HBM limit = distinct experts' weight+scale bytes / {bw / 1e12:.2f} TB/s", "",
+           "| geometry | M | HBM limit | GEMV | blocked | blocked/GEMV | GEMV % of limit | err GEMV | err blocked |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for name, M, lim, gv, bl in rows:
+        def f(v, fmt):
+            return "failed" if v is None else format(v, fmt)
+        out.append(f"| {name} | {M} | {lim * 1e6:.1f} | {f(gv and gv[0] * 1e6, '.1f')} | {f(bl and bl[0] * 1e6, '.1f')} | "
+                   f"{f(gv and bl and bl[0] / gv[0], '.2f')} | {f(gv and 100 * lim / gv[0], '.0f')} | "
+                   f"{f(gv and gv[1], '.1e')} | {f(bl and bl[1], '.1e')} |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
@@ -305,12 +366,21 @@ def main(argv=None):
     ap.add_argument("--triton-kernels", default=None, help="folder holding the triton_kernels package (a peer)")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
+    ap.add_argument("--gemv-compare", action="store_true",
+                    help="only time the GEMV path against the blocked one (small M), print a table last")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
     def log(msg):
         print(msg, flush=True)
+
+    if args.gemv_compare:
+        table = gemv_compare(args, log)
+        with open(os.path.join(args.out, "gemv_compare.md"), "w") as f:
+            f.write(table + "\n")
+        print("\n" + table, flush=True)
+        return
 
     import triton
     bw = measure_copy_bandwidth()
