@@ -355,11 +355,11 @@ def gemv1_kernel(
     acc_u = tl.zeros((BN, NB), dtype=tl.float32)
     acc_g = tl.zeros((BN, NB), dtype=tl.float32)
     for k0 in range(0, K, BK):
+        # masks constant along a block's 16 bytes, so the code loads stay 16-byte vectors
         bvalid = (k0 // 32 + j) < KS  # [NB]
-        xm = bvalid[:, None] & (i >= 0)[None, :]
-        xe = tl.load(x_row + k0 + 2 * byte_off, mask=xm, other=0.0).to(tl.float32)
-        xo = tl.load(x_row + k0 + 1 + 2 * byte_off, mask=xm, other=0.0).to(tl.float32)
-        wm = nvalid[:, None, None] & xm[None, :, :]
+        xe = tl.load(x_row + k0 + 2 * byte_off, mask=bvalid[:, None], other=0.0).to(tl.float32)
+        xo = tl.load(x_row + k0 + 1 + 2 * byte_off, mask=bvalid[:, None], other=0.0).to(tl.float32)
+        wm = nvalid[:, None, None] & bvalid[None, :, None]
         sm = nvalid[:, None] & bvalid[None, :]
         cu = tl.load(w_e + up_rows[:, None, None] * KH + k0 // 2 + byte_off[None, :, :], mask=wm, other=0)
         su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
@@ -415,10 +415,9 @@ def gemv2_kernel(
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     for n0 in range(0, N, BK):
         bvalid = (n0 // 32 + j) < NS
-        am = bvalid[:, None] & (i >= 0)[None, :]
-        ae = tl.load(a_row + n0 + 2 * byte_off, mask=am, other=0.0).to(tl.float32)
-        ao = tl.load(a_row + n0 + 1 + 2 * byte_off, mask=am, other=0.0).to(tl.float32)
-        wm = ovalid[:, None, None] & am[None, :, :]
+        ae = tl.load(a_row + n0 + 2 * byte_off, mask=bvalid[:, None], other=0.0).to(tl.float32)
+        ao = tl.load(a_row + n0 + 1 + 2 * byte_off, mask=bvalid[:, None], other=0.0).to(tl.float32)
+        wm = ovalid[:, None, None] & bvalid[None, :, None]
         c = tl.load(w_e + offs_o[:, None, None] * NH + n0 // 2 + byte_off[None, :, :], mask=wm, other=0)
         sc = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + j[None, :], mask=ovalid[:, None] & bvalid[None, :],
                      other=0)
