@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..reference import swiglu as swiglu_torch
 from ...mx import dequantize_mxfp4, quant_dequant_mxfp8
-from .mxtl import decode_mxfp4_pair, e2m1_pair_f32_2m14, e8m0_f32, quant_dequant_mxfp8_tile
+from .mxtl import decode_mxfp4_pair, e2m1_nibble_pair_f32_2m14, e8m0_f32, quant_dequant_mxfp8_tile
 
 
 def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
@@ -315,8 +315,9 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
 # ``blk_expert[b]`` its expert, slots of one expert adjacent, so duplicates of an expert run side
 # by side and share its weights in L2), then per (slot, tile) a matrix-vector product on the CUDA
 # cores: no tensor-core tile padded from 1 row to 16, no layout conversion of the decoded weights.
-# The E2M1 codes decode to fp32 (times 2^-14) and multiply x elementwise; the products are summed
-# per 32-element block first, so the E8M0 scale (and 2^14) is one multiply per 32 elements.
+# The codes load as int32 words (16-byte vectors), decode two nibbles at a time through fp16 bits
+# to fp32 (times 2^-14) and multiply x elementwise; the products are summed per 32-element block
+# first, so the E8M0 scale (and 2^14) is one multiply per 32 elements.
 # Same arguments, grids (with bm = 1) and buffers as gemm1/gemm2, so routing, the arena and
 # finalize are shared with the blocked path.
 @_jit(dns=("nblocks",))
@@ -344,33 +345,39 @@ def gemv1_kernel(
         up_rows = offs_n + N
         gate_rows = offs_n
     KH: tl.constexpr = K // 2
+    KW: tl.constexpr = K // 8  # int32 words of codes a row
     KS: tl.constexpr = K // 32
     NB: tl.constexpr = BK // 32
-    w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
+    w_e = (w_ptr + e.to(tl.int64) * (2 * N * KH)).to(tl.pointer_type(tl.int32))
     s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
     j = tl.arange(0, NB)  # 32-element block within the chunk
-    i = tl.arange(0, 16)  # byte within the block
-    byte_off = j[:, None] * 16 + i[None, :]  # [NB, 16]
+    q = tl.arange(0, 4)  # word within the block
+    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
     x_row = xq_ptr + tok * K
     acc_u = tl.zeros((BN, NB), dtype=tl.float32)
     acc_g = tl.zeros((BN, NB), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        # masks constant along a block's 16 bytes, so the code loads stay 16-byte vectors
+        # masks constant along a block's 4 words, so the code loads stay 16-byte vectors
         bvalid = (k0 // 32 + j) < KS  # [NB]
-        xe = tl.load(x_row + k0 + 2 * byte_off, mask=bvalid[:, None], other=0.0).to(tl.float32)
-        xo = tl.load(x_row + k0 + 1 + 2 * byte_off, mask=bvalid[:, None], other=0.0).to(tl.float32)
         wm = nvalid[:, None, None] & bvalid[None, :, None]
         sm = nvalid[:, None] & bvalid[None, :]
-        cu = tl.load(w_e + up_rows[:, None, None] * KH + k0 // 2 + byte_off[None, :, :], mask=wm, other=0)
+        cu = tl.load(w_e + up_rows[:, None, None] * KW + k0 // 8 + word_off[None, :, :], mask=wm, other=0)
+        cg = tl.load(w_e + gate_rows[:, None, None] * KW + k0 // 8 + word_off[None, :, :], mask=wm, other=0)
         su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
-        ul, uh = e2m1_pair_f32_2m14(cu.to(tl.int32))
-        pu = tl.sum(ul * xe[None, :, :] + uh * xo[None, :, :], axis=2)
-        acc_u += (pu * 16384.0) * e8m0_f32(su)
-        cg = tl.load(w_e + gate_rows[:, None, None] * KH + k0 // 2 + byte_off[None, :, :], mask=wm, other=0)
         sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
-        gl, gh = e2m1_pair_f32_2m14(cg.to(tl.int32))
-        pg = tl.sum(gl * xe[None, :, :] + gh * xo[None, :, :], axis=2)
-        acc_g += (pg * 16384.0) * e8m0_f32(sg)
+        pu = tl.zeros((BN, NB, 4), dtype=tl.float32)
+        pg = tl.zeros((BN, NB, 4), dtype=tl.float32)
+        for t in tl.static_range(4):  # elements 8q + t and 8q + t + 4 of each word q: nibbles t, t + 4
+            xa = tl.load(x_row + k0 + 8 * word_off + t, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
+            xb = tl.load(x_row + k0 + 8 * word_off + t + 4, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
+            ua, ub = e2m1_nibble_pair_f32_2m14(cu, t)
+            pu = pu + ua * xa
+            pu = pu + ub * xb
+            ga, gb = e2m1_nibble_pair_f32_2m14(cg, t)
+            pg = pg + ga * xa
+            pg = pg + gb * xb
+        acc_u += (tl.sum(pu, axis=2) * 16384.0) * e8m0_f32(su)
+        acc_g += (tl.sum(pg, axis=2) * 16384.0) * e8m0_f32(sg)
     hu = tl.sum(acc_u, axis=1)
     hg = tl.sum(acc_g, axis=1)
     if HAS_GS:
@@ -404,26 +411,30 @@ def gemv2_kernel(
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     NH: tl.constexpr = N // 2
+    NW: tl.constexpr = N // 8  # int32 words of codes a row
     NS: tl.constexpr = N // 32
     NB: tl.constexpr = BK // 32
-    w_e = w_ptr + e.to(tl.int64) * (K * NH)
+    w_e = (w_ptr + e.to(tl.int64) * (K * NH)).to(tl.pointer_type(tl.int32))
     s_e = s_ptr + e.to(tl.int64) * (K * NS)
     j = tl.arange(0, NB)
-    i = tl.arange(0, 16)
-    byte_off = j[:, None] * 16 + i[None, :]
+    q = tl.arange(0, 4)
+    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
     a_row = a_ptr + b.to(tl.int64) * N
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     for n0 in range(0, N, BK):
         bvalid = (n0 // 32 + j) < NS
-        ae = tl.load(a_row + n0 + 2 * byte_off, mask=bvalid[:, None], other=0.0).to(tl.float32)
-        ao = tl.load(a_row + n0 + 1 + 2 * byte_off, mask=bvalid[:, None], other=0.0).to(tl.float32)
         wm = ovalid[:, None, None] & bvalid[None, :, None]
-        c = tl.load(w_e + offs_o[:, None, None] * NH + n0 // 2 + byte_off[None, :, :], mask=wm, other=0)
+        c = tl.load(w_e + offs_o[:, None, None] * NW + n0 // 8 + word_off[None, :, :], mask=wm, other=0)
         sc = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + j[None, :], mask=ovalid[:, None] & bvalid[None, :],
                      other=0)
-        lo, hi = e2m1_pair_f32_2m14(c.to(tl.int32))
-        p = tl.sum(lo * ae[None, :, :] + hi * ao[None, :, :], axis=2)
-        acc += (p * 16384.0) * e8m0_f32(sc)
+        p = tl.zeros((BN, NB, 4), dtype=tl.float32)
+        for t in tl.static_range(4):  # nibbles t and t + 4 of each word: elements 8q + t, 8q + t + 4
+            aa = tl.load(a_row + n0 + 8 * word_off + t, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
+            ab = tl.load(a_row + n0 + 8 * word_off + t + 4, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
+            wa, wb = e2m1_nibble_pair_f32_2m14(c, t)
+            p = p + wa * aa
+            p = p + wb * ab
+        acc += (tl.sum(p, axis=2) * 16384.0) * e8m0_f32(sc)
     y = tl.sum(acc, axis=1)
     if HAS_GS:
         y = y * tl.load(gs_ptr + e)

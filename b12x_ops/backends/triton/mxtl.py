@@ -107,24 +107,30 @@ def quant_dequant_mxfp8_tile(v, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def e2m1_pair_f32_2m14(c):
-    """The two E2M1 values of the bytes ``c`` (int32, 0..255) in fp32, each times ``2^-14``, exactly.
-
-    A code ``s e1 e0 m`` placed at bits 15, 11..9 of an fp16 is an fp16 of exponent field ``E =
-    em >> 1`` and top mantissa bit ``m``: ``2^(E-15) * (1 + m/2)`` for ``E >= 1`` and the fp16
-    subnormal ``m * 2^-15`` for ``E = 0``, i.e. the E2M1 value times ``2^-14`` for all 16 codes.
-    fp16 subnormals are exact through the fp16-to-fp32 conversion (no flush to zero anywhere), and
-    the fp32 results are normal. Returns ``(low nibble, high nibble)``; callers fold ``2^14`` into
-    a per-32-block multiply.
-    """
-    lo = ((c & 7) << 9) | ((c & 8) << 12)
-    hi = ((c & 0x70) << 5) | ((c & 0x80) << 8)
-    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
 def e8m0_f32(byte):
     """``2^(byte - 127)`` in fp32 from its bits (byte 0 gives 0 instead of 2^-127, as the bf16 path)."""
     return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_nibble_pair_f32_2m14(words, t: tl.constexpr):
+    """Nibbles ``t`` and ``t + 4`` (``t`` in 0..3) of int32 ``words`` as E2M1 values times ``2^-14``,
+    in fp32, exactly, for all 16 codes.
+
+    A code ``s e1 e0 m`` placed at bits 15 and 11..9 of an fp16 is the fp16 of exponent field
+    ``E = em >> 1`` and top mantissa bit ``m``: ``2^(E-15) * (1 + m/2)`` for ``E >= 1`` and the
+    fp16 subnormal ``m * 2^-15`` for ``E = 0``, i.e. the E2M1 value times ``2^-14``. fp16
+    subnormals convert to fp32 exactly (no flush to zero anywhere) and the fp32 results are normal;
+    callers fold ``2^14`` into their per-32-block scale multiply. Nibbles ``t`` and ``t + 4`` are 16
+    bits apart, so one shift and mask place both magnitudes and one more both signs: two fp16 in one
+    register, four integer ops for two values (then one fp16-to-fp32 conversion each).
+    """
+    if 4 * t >= 9:
+        mag = (words >> (4 * t - 9)) & 0x0E000E00
+    else:
+        mag = (words << (9 - 4 * t)) & 0x0E000E00
+    sgn = (words << (12 - 4 * t)) & -2147450880  # 0x80008000 (t <= 3: a left shift)
+    both = mag | sgn
+    lo = both.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
