@@ -296,12 +296,36 @@ def plot(res, path):
     fig.savefig(path, dpi=110)
 
 
+def _gemv_table(rows, sweep, args, bw):
+    def f(v, fmt):
+        return "failed" if v is None else format(v, fmt)
+    out = []
+    if sweep:
+        out += ["GEMV tile sweep (whole op, us per layer; tiles: gemv1 (BN, BK, warps, stages) / gemv2 (BN, BK, "
+                "warps, stages)):", "", "| geometry | M | tiles | us |", "|---|---|---|---|"]
+        out += [f"| {name} | {M} | {tiles} | {f(t and t * 1e6, '.1f')} |" for name, M, tiles, t in sweep]
+        out.append("")
+    out += [f"GEMV vs blocked path, us per layer (CUDA-graph replay over {args.layers} layers, tune="
+            f"{not args.no_tune}); HBM limit = distinct experts' weight+scale bytes / {bw / 1e12:.2f} TB/s", "",
+            "| geometry | M | HBM limit | GEMV | blocked | blocked/GEMV | GEMV % of limit | err GEMV | err blocked |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, M, lim, gv, bl in rows:
+        out.append(f"| {name} | {M} | {lim * 1e6:.1f} | {f(gv and gv[0] * 1e6, '.1f')} | {f(bl and bl[0] * 1e6, '.1f')} | "
+                   f"{f(gv and bl and bl[0] / gv[0], '.2f')} | {f(gv and 100 * lim / gv[0], '.0f')} | "
+                   f"{f(gv and gv[1], '.1e')} | {f(bl and bl[1], '.1e')} |")
+    return "\n".join(out)
+
+
 def gemv_compare(args, log, bw=4.27e12):
     """GEMV path (gemv=True) against the blocked path (gemv=False) per geometry and M: CUDA-graph
     replay over ``--layers`` layers' handles, the HBM limit at ``bw`` bytes/s (distinct experts'
-    weights and scales), and each path's error against the reference on layer 0. Returns the
-    markdown table."""
-    rows = []
+    weights and scales), and each path's error against the reference on layer 0; with
+    ``--gemv-sweep M..`` also the whole op per GEMV tile candidate at those M. The markdown table
+    is rewritten to ``<out>/gemv_compare.md`` after every geometry (a run cut short keeps it)."""
+    from b12x_ops.backends.triton import plan as P
+
+    rows, sweep = [], []
+    path = os.path.join(args.out, "gemv_compare.md")
     for name in args.geometries:
         geo = GEOMETRIES[name]
         E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
@@ -313,26 +337,36 @@ def gemv_compare(args, log, bw=4.27e12):
             t0 = time.perf_counter()
             try:
                 handles[mode] = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
-                                                          tune=not args.no_tune, gemv=mode, max_tokens=max(args.sizes))
+                                                          tune=not args.no_tune, gemv=mode, max_tokens=max(args.sizes),
+                                                          frozen=not (mode and args.gemv_sweep))
                                  for lw in layers]
             except Exception as exc:  # noqa: BLE001 - report and go on with the other path
                 log(f"{name}: prepare gemv={mode} failed: {type(exc).__name__}: {exc}")
             log(f"{name}: prepared gemv={mode} in {time.perf_counter() - t0:.1f}s")
         ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
-        for M in args.sizes:
+        inputs = {}
+        for M in sorted(set(args.sizes) | set(args.gemv_sweep or ())):
             rt = [routing(M, E, top_k, DEVICE, 1000 * i + M) for i in range(L)]
             xs = [torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16) for _ in range(L)]
+            inputs[M] = (rt, xs)
+
+        def timed(hs, M):
+            rt, xs = inputs[M]
+            outs = [torch.empty_like(x) for x in xs]
+            t = graph_time([(lambda i=i: b12x_ops.moe_w4a8_out(xs[i], rt[i][1], rt[i][2], hs[i], outs[i]))
+                            for i in range(L)], args.reps)
+            return t, outs[0]
+
+        for M in args.sizes:
+            rt, xs = inputs[M]
             want = b12x_ops.moe_w4a8(xs[0], rt[0][1], rt[0][2], ref).float()
             distinct = sum(int(torch.unique(r[1]).numel()) for r in rt) / L
             t_hbm = distinct * expert_bytes / bw
             res = {}
             for mode, hs in handles.items():
-                outs = [torch.empty_like(x) for x in xs]
                 try:
-                    t = graph_time([(lambda i=i: b12x_ops.moe_w4a8_out(xs[i], rt[i][1], rt[i][2], hs[i], outs[i]))
-                                    for i in range(L)], args.reps)
-                    err = float((outs[0].float() - want).norm() / want.norm())
-                    res[mode] = (t, err)
+                    t, o = timed(hs, M)
+                    res[mode] = (t, float((o.float() - want).norm() / want.norm()))
                 except Exception as exc:  # noqa: BLE001
                     log(f"{name} M={M} gemv={mode} failed: {type(exc).__name__}: {exc}")
             gv, bl = res.get(True), res.get(False)
@@ -340,20 +374,29 @@ def gemv_compare(args, log, bw=4.27e12):
             log(f"  {name} M={M}: limit {t_hbm * 1e6:.1f} us, gemv {gv[0] * 1e6 if gv else float('nan'):.1f} us "
                 f"(err {gv[1] if gv else float('nan'):.1e}), blocked {bl[0] * 1e6 if bl else float('nan'):.1f} us "
                 f"(err {bl[1] if bl else float('nan'):.1e})")
-        del handles, layers, ref
+        with open(path, "w") as f:
+            f.write(_gemv_table(rows, sweep, args, bw) + "\n")
+        if args.gemv_sweep and True in handles:
+            gp = handles[True][0]._state.plans
+            for M in args.gemv_sweep:
+                cap, base = gp.plan_for(M)
+                for g1, g2 in P._GEMV:
+                    cfg = P.Config(1, *g1, *g2, base.atomic, gemv=True)
+                    gp.add(cap, cfg)
+                    try:
+                        t = timed(handles[True], M)[0]
+                    except Exception as exc:  # noqa: BLE001
+                        log(f"{name} M={M} sweep {g1}/{g2} failed: {type(exc).__name__}: {exc}")
+                        t = None
+                    sweep.append((name, M, f"{g1} / {g2}", t))
+                    log(f"  sweep {name} M={M} {g1} / {g2}: {t and t * 1e6}")
+                gp.add(cap, base)
+            with open(path, "w") as f:
+                f.write(_gemv_table(rows, sweep, args, bw) + "\n")
+        del handles, layers, ref, inputs
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    out = [f"GEMV vs blocked path, us per layer (CUDA-graph replay over {args.layers} layers, tune="
-           f"{not args.no_tune}); HBM limit = distinct experts' weight+scale bytes / {bw / 1e12:.2f} TB/s", "",
-           "| geometry | M | HBM limit | GEMV | blocked | blocked/GEMV | GEMV % of limit | err GEMV | err blocked |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for name, M, lim, gv, bl in rows:
-        def f(v, fmt):
-            return "failed" if v is None else format(v, fmt)
-        out.append(f"| {name} | {M} | {lim * 1e6:.1f} | {f(gv and gv[0] * 1e6, '.1f')} | {f(bl and bl[0] * 1e6, '.1f')} | "
-                   f"{f(gv and bl and bl[0] / gv[0], '.2f')} | {f(gv and 100 * lim / gv[0], '.0f')} | "
-                   f"{f(gv and gv[1], '.1e')} | {f(bl and bl[1], '.1e')} |")
-    return "\n".join(out)
+    return _gemv_table(rows, sweep, args, bw)
 
 
 def main(argv=None):
@@ -368,6 +411,8 @@ def main(argv=None):
     ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
     ap.add_argument("--gemv-compare", action="store_true",
                     help="only time the GEMV path against the blocked one (small M), print a table last")
+    ap.add_argument("--gemv-sweep", nargs="*", type=int, default=None,
+                    help="with --gemv-compare: also time every GEMV tile candidate at these M")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -376,10 +421,7 @@ def main(argv=None):
         print(msg, flush=True)
 
     if args.gemv_compare:
-        table = gemv_compare(args, log)
-        with open(os.path.join(args.out, "gemv_compare.md"), "w") as f:
-            f.write(table + "\n")
-        print("\n" + table, flush=True)
+        print("\n" + gemv_compare(args, log), flush=True)
         return
 
     import triton

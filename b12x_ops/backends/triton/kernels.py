@@ -32,6 +32,8 @@ def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
     """Upper bound on expert blocks of ``bm`` rows: every expert's partial block plus full ones."""
     if num_slots == 0:
         return 0
+    if bm == 1:  # (the GEMV path) one block a local slot: no partial blocks
+        return num_slots
     return triton.cdiv(num_slots, bm) + min(num_experts, num_slots)
 
 
