@@ -13,9 +13,10 @@ t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-# (1) tests: a failure is reported, never stops (2)
-timeout 70 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_gpu.py \
-  -k "${QUICK_K:-gemv_path and (odd-ep or qwen3 or gpt-oss)}" > "$OUT/quick_tests.log" 2>&1
+# (1) tests (the tuner's cache round trip too: it now times candidates from CUDA graphs): a failure
+# is reported, never stops (2)
+timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py \
+  -k "${QUICK_K:-(gemv_path and (odd-ep or qwen3 or gpt-oss)) or tuning_cache}" > "$OUT/quick_tests.log" 2>&1
 test_rc=$?
 tail -25 "$OUT/quick_tests.log"
 echo "== GPU tests exit code $test_rc ($( [ $test_rc = 0 ] && echo PASSED || echo FAILED, see $OUT/quick_tests.log)), $(( $(date +%s) - t0 )) s so far"

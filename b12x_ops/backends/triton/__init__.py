@@ -155,17 +155,34 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     return {c: cached[c] for c in caps}
 
 
-def _time_ms(fn, reps=5):
+def _time_ms(fn, reps=5, calls=10):
+    """Median GPU milliseconds of one ``fn()``: replayed from a CUDA graph of ``calls`` calls, so
+    the host's launch cost (tens of us a launch) does not hide the difference between fast
+    kernels; plain launches if the capture fails."""
+    fn()  # compiles on the first call
+    torch.cuda.synchronize()
+    run, per = fn, 1
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        run, per = graph.replay, calls
+    except Exception as exc:  # noqa: BLE001 - timing still works without a graph
+        from .plan import log
+        log.info("tuning without CUDA graphs: %s", exc)
+        torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
-    fn()
     ts = []
     for _ in range(reps):
         start.record()
-        fn()
+        run()
         end.record()
         end.synchronize()
-        ts.append(start.elapsed_time(end))
+        ts.append(start.elapsed_time(end) / per)
     return sorted(ts)[len(ts) // 2]
 
 
