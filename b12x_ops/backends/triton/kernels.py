@@ -358,15 +358,27 @@ def gemv1_kernel(
     x_row = xq_ptr + tok * K
     acc_u = tl.zeros((BN, NB), dtype=tl.float32)
     acc_g = tl.zeros((BN, NB), dtype=tl.float32)
+    up_w = w_e + up_rows[:, None, None] * KW + word_off[None, :, :]
+    gate_w = w_e + gate_rows[:, None, None] * KW + word_off[None, :, :]
+    up_s = s_e + up_rows[:, None] * KS + j[None, :]
+    gate_s = s_e + gate_rows[:, None] * KS + j[None, :]
+    # Register double buffering: each step loads the NEXT chunk's codes and scales before decoding
+    # this one, so a program keeps two chunks of HBM reads in flight (few programs at small M).
+    # Masks are constant along a block's 4 words, so the code loads stay 16-byte vectors.
+    bnext = j < KS
+    cu = tl.load(up_w, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
+    cg = tl.load(gate_w, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
+    su = tl.load(up_s, mask=nvalid[:, None] & bnext[None, :], other=0)
+    sg = tl.load(gate_s, mask=nvalid[:, None] & bnext[None, :], other=0)
     for k0 in range(0, K, BK):
-        # masks constant along a block's 4 words, so the code loads stay 16-byte vectors
         bvalid = (k0 // 32 + j) < KS  # [NB]
-        wm = nvalid[:, None, None] & bvalid[None, :, None]
-        sm = nvalid[:, None] & bvalid[None, :]
-        cu = tl.load(w_e + up_rows[:, None, None] * KW + k0 // 8 + word_off[None, :, :], mask=wm, other=0)
-        cg = tl.load(w_e + gate_rows[:, None, None] * KW + k0 // 8 + word_off[None, :, :], mask=wm, other=0)
-        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
-        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
+        bnext = (k0 // 32 + NB + j) < KS
+        wm = nvalid[:, None, None] & bnext[None, :, None]
+        sm = nvalid[:, None] & bnext[None, :]
+        cu_next = tl.load(up_w + (k0 + BK) // 8, mask=wm, other=0)
+        cg_next = tl.load(gate_w + (k0 + BK) // 8, mask=wm, other=0)
+        su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
+        sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
         pu = tl.zeros((BN, NB, 4), dtype=tl.float32)
         pg = tl.zeros((BN, NB, 4), dtype=tl.float32)
         for t in tl.static_range(4):  # elements 8q + t and 8q + t + 4 of each word q: nibbles t, t + 4
@@ -380,6 +392,7 @@ def gemv1_kernel(
             pg = pg + gb * xb
         acc_u += (tl.sum(pu, axis=2) * 16384.0) * e8m0_f32(su)
         acc_g += (tl.sum(pg, axis=2) * 16384.0) * e8m0_f32(sg)
+        cu, cg, su, sg = cu_next, cg_next, su_next, sg_next
     hu = tl.sum(acc_u, axis=1)
     hg = tl.sum(acc_g, axis=1)
     if HAS_GS:
@@ -423,12 +436,17 @@ def gemv2_kernel(
     word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
     a_row = a_ptr + b.to(tl.int64) * N
     acc = tl.zeros((BN, NB), dtype=tl.float32)
+    row_w = w_e + offs_o[:, None, None] * NW + word_off[None, :, :]
+    row_s = s_e + offs_o[:, None] * NS + j[None, :]
+    # register double buffering of the codes and scales, as in gemv1
+    bnext = j < NS
+    c = tl.load(row_w, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
+    sc = tl.load(row_s, mask=ovalid[:, None] & bnext[None, :], other=0)
     for n0 in range(0, N, BK):
         bvalid = (n0 // 32 + j) < NS
-        wm = ovalid[:, None, None] & bvalid[None, :, None]
-        c = tl.load(w_e + offs_o[:, None, None] * NW + n0 // 8 + word_off[None, :, :], mask=wm, other=0)
-        sc = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + j[None, :], mask=ovalid[:, None] & bvalid[None, :],
-                     other=0)
+        bnext = (n0 // 32 + NB + j) < NS
+        c_next = tl.load(row_w + (n0 + BK) // 8, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
+        sc_next = tl.load(row_s + (n0 + BK) // 32, mask=ovalid[:, None] & bnext[None, :], other=0)
         p = tl.zeros((BN, NB, 4), dtype=tl.float32)
         for t in tl.static_range(4):  # nibbles t and t + 4 of each word: elements 8q + t, 8q + t + 4
             aa = tl.load(a_row + n0 + 8 * word_off + t, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
@@ -437,6 +455,7 @@ def gemv2_kernel(
             p = p + wa * aa
             p = p + wb * ab
         acc += (tl.sum(p, axis=2) * 16384.0) * e8m0_f32(sc)
+        c, sc = c_next, sc_next
     y = tl.sum(acc, axis=1)
     if HAS_GS:
         y = y * tl.load(gs_ptr + e)
