@@ -87,10 +87,14 @@ def _atomic(tokens: int, geometry) -> bool:
 GEMV_MAX_SLOTS = 64
 # GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 32; bk: K step, a multiple of
 # 32; warps; stages), gemv2 (bn: K outputs; bk: N step) -- the default first, then alternatives.
+# At small M there are few programs (slots x tiles), so each must keep many bytes in flight: the
+# default reads 16 KB (gemv1) / 8 KB (gemv2) a step, double-buffered. (The loops have no tl.dot;
+# stages stay 1.)
 _GEMV = (
-    ((32, 256, 4, 3), (32, 256, 4, 3)),
-    ((64, 128, 4, 3), (64, 128, 4, 3)),
-    ((32, 512, 8, 2), (16, 512, 4, 2)),
+    ((32, 512, 8, 1), (16, 1024, 4, 1)),
+    ((32, 256, 4, 1), (32, 256, 4, 1)),
+    ((32, 1024, 8, 1), (32, 512, 4, 1)),
+    ((64, 128, 4, 1), (16, 512, 4, 1)),
 )
 
 
