@@ -178,6 +178,9 @@ def cmd_demo(args) -> int:
     print(f"b12x-ops demo: TinyMoE {args.layers} layers, K={args.hidden} N={args.intermediate} "
           f"E={args.experts} top_k={args.top_k}, {args.tokens} tokens bf16 on {device}, "
           f"backend {backend} (asked: {args.backend})")
+    mem = model.handles[0].memory
+    if mem:
+        print("memory per layer: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in mem.items()))
 
     g = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16).to(device)

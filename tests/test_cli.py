@@ -80,6 +80,12 @@ def test_demo_runs_the_reference_backend_on_cpu(demo):
 
 
 @pytest.mark.slow
+def test_demo_reports_memory_per_layer(demo):
+    m = _field(demo, r"^memory per layer: device_bytes (\S+) MiB, checkpoint_bytes (\S+) MiB$")
+    assert float(m.group(1)) == float(m.group(2)) > 0  # the reference keeps the checkpoint's bytes only
+
+
+@pytest.mark.slow
 def test_demo_graph_has_one_b12x_node_per_layer(demo):
     match = _field(demo, r"^b12x nodes in the graph: (\d+) for (\d+) layers")
     assert int(match.group(1)) == int(match.group(2)) == 3
