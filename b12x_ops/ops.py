@@ -208,13 +208,18 @@ def _ep_remap_cpu(topk_ids, topk_weights, expert_offset, num_local_experts):
     return _reference.ep_remap(topk_ids, topk_weights, expert_offset, num_local_experts)
 
 
+_cuda_remap = []  # the one-launch Triton kernel, or the sync-free torch version without triton
+
+
 def _ep_remap_cuda(topk_ids, topk_weights, expert_offset, num_local_experts):
     _check_remap_args(topk_ids, topk_weights, expert_offset, num_local_experts)
-    try:
-        from .backends.triton.remap import ep_remap as remap_kernel
-    except ImportError:
-        return _reference.ep_remap(topk_ids, topk_weights, expert_offset, num_local_experts)
-    return remap_kernel(topk_ids, topk_weights, expert_offset, num_local_experts)
+    if not _cuda_remap:  # resolved on the first call, not on every one
+        try:
+            from .backends.triton.remap import ep_remap as remap_kernel
+        except ImportError:
+            remap_kernel = _reference.ep_remap
+        _cuda_remap.append(remap_kernel)
+    return _cuda_remap[0](topk_ids, topk_weights, expert_offset, num_local_experts)
 
 
 @torch.library.register_fake("b12x::ep_remap", lib=LIB)

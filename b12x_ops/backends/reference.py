@@ -38,7 +38,7 @@ def ep_remap(topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_offset: 
     else 0. Returns contiguous ``(int32 ids, float32 weights)``.
     """
     lid = topk_ids.to(torch.int64) - expert_offset
-    ok = (topk_ids >= 0) & (lid >= 0) & (lid < num_local_experts)
+    ok = (lid >= 0) & (lid < num_local_experts)  # -1 padding is below any offset >= 0
     big = torch.iinfo(torch.int64).max
     masked = torch.where(ok, lid, big)
     if lid.numel() == 0:  # fresh outputs, never views of the inputs
@@ -86,7 +86,7 @@ def moe_fp32(spec, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if m == 0:
         return acc
     lid = topk_ids.to(torch.int64) - spec.expert_offset
-    ok = (topk_ids >= 0) & (lid >= 0) & (lid < spec.geometry.num_experts)
+    ok = (lid >= 0) & (lid < spec.geometry.num_experts)
     slots = ok.flatten().nonzero().squeeze(1)  # host sync: fine for the reference
     if slots.numel() == 0:
         return acc

@@ -254,6 +254,7 @@ def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
     bm = cfg.bm
     nb = num_blocks(S, g.num_experts, bm)
     dst = a["acc"] if cfg.atomic else a["slots"]
+    prologue, gemm1, gemm2, finalize = gp.stages(cfg)
     if "prologue" in stages:
         # The caller's routing and activations travel as raw 32/16-bit views, so one compiled
         # prologue serves every dtype the op accepts (int32/int64 ids: the low word of an int64).
@@ -264,24 +265,24 @@ def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
             topk_weights = topk_weights.contiguous()
         w16 = topk_weights.view(torch.int16)
         w_mul = 2 if topk_weights.dtype == torch.float32 else 1
-        gp.launch("prologue", cfg)(
+        prologue(
             (1 + -(-m // PROLOGUE["QR"]),),
             ids32, w16, x.view(torch.int16), a["xq"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
             a["blk_rows"], a["cursor"], m, topk_ids.stride(0) * ids_mul, topk_ids.stride(1) * ids_mul,
             topk_weights.stride(0) * w_mul, topk_weights.stride(1) * w_mul, x.stride(0), state.expert_offset, nb,
             _W_KIND[topk_weights.dtype], int(x.dtype == torch.float16))
     if "gemm1" in stages:
-        gp.launch("gemm1", cfg)(
+        gemm1(
             (nb * -(-g.intermediate_size // cfg.bn1),),
             a["xq"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, a["act"],
             nb, state.limit)
     if "gemm2" in stages:
-        gp.launch("gemm2", cfg)(
+        gemm2(
             (nb * -(-g.hidden_size // cfg.bn2),),
             a["act"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"], dst,
             nb)
     if "finalize" in stages:
-        gp.launch("finalize", cfg)(
+        finalize(
             (-(-m // FINALIZE["BR"]), -(-g.hidden_size // FINALIZE["BK"])),
             dst, a["lid"], out.view(torch.int16), m, out.stride(0), int(out.dtype == torch.float16))
 

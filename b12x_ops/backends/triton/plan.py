@@ -229,6 +229,7 @@ class GeometryPlans:
         self.configs: dict[int, Config] = {}
         self.caps: list[int] = []
         self.launches: dict[tuple, Launch] = {}
+        self._stages: dict[Config, tuple[Launch, Launch, Launch, Launch]] = {}
         self.arena = Arena(geometry.device)
         g = geometry
         self.e_pad = triton.next_power_of_2(g.num_experts + 1)
@@ -243,6 +244,14 @@ class GeometryPlans:
         return cap, self.configs[cap]
 
     # ---- prepare
+    def stages(self, cfg: Config) -> tuple[Launch, Launch, Launch, Launch]:
+        """The (prologue, gemm1, gemm2, finalize) launches of ``cfg``: one dict lookup a call, the
+        key building of ``launch`` done once per config."""
+        hit = self._stages.get(cfg)
+        if hit is None:
+            hit = self._stages[cfg] = tuple(self.launch(k, cfg) for k in ("prologue", "gemm1", "gemm2", "finalize"))
+        return hit
+
     def launch(self, kind: str, cfg: Config | None) -> Launch:
         g = self.geometry
         if kind == "prologue":
