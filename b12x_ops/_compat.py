@@ -31,7 +31,6 @@ except ImportError:  # pragma: no cover
 
 # float8_e8m0fnu exists from torch 2.7 on; a scale tensor may arrive in either dtype.
 E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
-E4M3_DTYPE = torch.float8_e4m3fn
 
 
 def triton_version() -> str | None:
@@ -40,13 +39,3 @@ def triton_version() -> str | None:
     except Exception:
         return None
     return getattr(triton, "__version__", "unknown")
-
-
-def b12x_module():
-    """The b12x library module, or None. The seeds ship it as ``b12x_next``; accept either."""
-    for name in ("b12x_next", "b12x"):
-        try:
-            return __import__(name)
-        except ImportError:
-            continue
-    return None

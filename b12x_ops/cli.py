@@ -93,7 +93,9 @@ def cmd_info(args) -> int:
     from . import _compat
 
     device = _resolve_device(args.device)
-    lib = _compat.b12x_module()
+    from .backends import load
+
+    lib = load("b12x").library()
     print(f"b12x-ops {b12x_ops.__version__}")
     print(f"torch    {torch.__version__}")
     print(f"triton   {_compat.triton_version() or 'not installed'}")

@@ -22,7 +22,7 @@ from torch._library import simple_registry
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import b12x_ops
-from b12x_ops import _compat
+from b12x_ops.backends import load as load_backend
 from b12x_ops.backends import reference
 
 import _samples
@@ -44,7 +44,7 @@ def _run_child(code: str, *args: str, timeout=300) -> subprocess.CompletedProces
 
 
 def _b12x_library():
-    mod = _compat.b12x_module()
+    mod = load_backend("b12x").library()
     if mod is None:
         if os.environ.get("CI"):
             raise AssertionError("CI installs the b12x extra: the b12x library must be importable")

@@ -121,6 +121,12 @@ def library_module() -> str | None:
     return None
 
 
+def library():
+    """The b12x library module itself (``b12x_next`` first), or None: for version reports."""
+    name = library_module()
+    return importlib.import_module(name) if name is not None else None
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
