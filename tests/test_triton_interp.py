@@ -221,16 +221,22 @@ def test_interp_gemv_stages_match_twins(variant, bk):
 
 
 @inner
-def test_interp_gemm1_stage_matches_twin():
+@pytest.mark.parametrize("swap", [False, True])
+def test_interp_gemm1_stage_matches_twin(swap):
     layer, (x, ids, w) = case("int64_bf16w")
-    h = layer.prepare(backend="triton", max_tokens=8, gemv=False)
+    h = layer.prepare(backend="triton", max_tokens=8, gemv=False, swap=swap)
     b12x_ops.moe_w4a8(x, ids, w, h)
     gp = h._state.plans
     a = gp.arena.buffers
     cfg = gp.configs[gp.plan_for(x.shape[0])[0]]
+    assert cfg.swap == swap and not cfg.gemv
     N = layer.N
     nb = K_.num_blocks(ids.numel(), layer.E, cfg.bm)
     xq = quant_dequant_mxfp8(x.float())
+    # the transposed GEMMs keep activations in the split column order
+    got_xq = a["xq"][: x.numel()].view(x.shape)
+    assert torch.equal(K_.unsplit(got_xq) if swap else got_xq, xq)
+    checked = 0
     for b in range(nb):
         e, r = int(a["blk_expert"][b]), int(a["blk_rows"][b])
         if e < 0:
@@ -238,17 +244,33 @@ def test_interp_gemm1_stage_matches_twin():
         slots = a["sorted"][b * cfg.bm: b * cfg.bm + r].long()
         want = K_.gemm1_torch(xq[slots // layer.top_k], layer.w13, layer.w13_scale, e, layer.layout, layer.limit)
         got = a["act"][b * cfg.bm * N: (b * cfg.bm + r) * N].view(r, N)
+        got = K_.unsplit(got) if swap else got
         assert (got != want).float().mean() < 0.01  # sigmoid ulps may flip a rare MXFP8 rounding
         assert rel_l2(got, want) < 1e-3
+        checked += r
+    assert checked == int((a["lid"][: ids.numel()] >= 0).sum())
+
+
+@inner
+def test_interp_split_layout_twin():
+    perm = K_.split_perm(96)
+    assert sorted(perm.tolist()) == list(range(96))  # a permutation within each 32 columns
+    assert (perm // 32 == torch.arange(96) // 32).all()
+    t = torch.arange(2 * 96).view(2, 96)
+    split = torch.empty_like(t)
+    split[:, perm] = t
+    assert torch.equal(split[0, :16], torch.arange(0, 32, 2)) and torch.equal(split[0, 16:32], torch.arange(1, 32, 2))
+    assert torch.equal(K_.unsplit(split), t)
 
 
 @inner
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("gemv", [None, False])  # None: the default (GEMV at these sizes)
-def test_interp_layer_matches_reference(name, deterministic, gemv):
+@pytest.mark.parametrize("path", ["default", "transposed", "row-major"])  # default: GEMV at these sizes
+def test_interp_layer_matches_reference(name, deterministic, path):
     layer, (x, ids, w) = case(name)
-    h = layer.prepare(backend="triton", max_tokens=16, deterministic=deterministic, gemv=gemv)
+    opts = {"default": {}, "transposed": dict(gemv=False, swap=True), "row-major": dict(gemv=False, swap=False)}[path]
+    h = layer.prepare(backend="triton", max_tokens=16, deterministic=deterministic, **opts)
     ref = layer.prepare(backend="reference")
     got = b12x_ops.moe_w4a8(x, ids, w, h)
     want = b12x_ops.moe_w4a8(x, ids, w, ref)
@@ -298,18 +320,18 @@ def test_interp_gemv_and_blocked_agree_in_fp32(deterministic):
     for M in (1, 6):
         x, ids, w = make_batch(layer, M, seed=M, padding_rows=1)
         sums = []
-        for mode in (True, False):
-            h = layer.prepare(backend="triton", max_tokens=16, gemv=mode, deterministic=deterministic)
+        for mode, swap in ((True, None), (False, True), (False, False)):  # GEMV, transposed, row-major
+            h = layer.prepare(backend="triton", max_tokens=16, gemv=mode, swap=swap, deterministic=deterministic)
             b12x_ops.moe_w4a8(x, ids, w, h)
             cfg = h._state.plans.plan_for(M)[1]
-            assert cfg.gemv == mode
+            assert cfg.gemv == mode and cfg.swap == bool(swap)
             a = h._state.plans.arena.buffers
             if cfg.atomic:
                 sums.append(a["acc"][: M * layer.K].view(M, -1).clone())
             else:
                 ok = (a["lid"][: ids.numel()] >= 0)[:, None]  # other slots' rows are never written
                 sums.append(torch.where(ok, a["slots"][: ids.numel() * layer.K].view(-1, layer.K), 0.0))
-        assert rel_l2(sums[0], sums[1]) < 1e-5
+        assert rel_l2(sums[0], sums[1]) < 1e-5 and rel_l2(sums[0], sums[2]) < 1e-5
 
 
 @inner

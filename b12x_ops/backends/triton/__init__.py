@@ -10,6 +10,9 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   program) serves token counts of at most ``plan.GEMV_MAX_SLOTS`` slots (``tokens * top_k``), the
   blocked tensor-core path the rest (the tuner may pick either below the bound); ``True`` uses
   GEMV for every planned count, ``False`` never (benchmarks compare the two this way).
+* ``swap`` (bool or None, default None): the blocked path's GEMMs with the operands swapped
+  (weight rows on the tensor-core MMA's M side, ``gemm1t``/``gemm2t``); the default. ``False``
+  keeps the row-major ``gemm1``/``gemm2`` (the tuner times both when None).
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 
@@ -27,7 +30,7 @@ import weakref
 import torch
 
 NAME = "triton"
-_OPTIONS = ("tune", "cache_dir", "frozen", "gemv")
+_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "swap")
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
@@ -78,16 +81,18 @@ def prepare(spec) -> State:
     tune = bool(spec.options.get("tune", on_gpu)) and on_gpu and not P.INTERPRET
     frozen = bool(spec.options.get("frozen", True))
     gemv = spec.options.get("gemv", None)
-    if gemv is not None and not isinstance(gemv, bool):
-        raise ValueError(f"prepare_experts: backend 'triton' option gemv: expected None, True or False, got {gemv!r}")
+    swap = spec.options.get("swap", None)
+    for opt, val in (("gemv", gemv), ("swap", swap)):
+        if val is not None and not isinstance(val, bool):
+            raise ValueError(f"prepare_experts: backend 'triton' option {opt}: expected None, True or False, got {val!r}")
 
     # Scale bytes in [2, 252] take the integer decode (the scale folded into the exponent); a
     # checkpoint with others gets kernels of its own (the geometry key includes the choice).
     fast = all(int(t.min()) >= 2 and int(t.max()) <= 252 for t in (spec.w13_scale, spec.w2_scale))
-    shared = _SHARED.get((g, fast, gemv))
+    shared = _SHARED.get((g, fast, gemv, swap))
     if shared is None:
-        shared = P.GeometryPlans(g, fast, gemv)
-        _SHARED[(g, fast, gemv)] = shared
+        shared = P.GeometryPlans(g, fast, gemv, swap)
+        _SHARED[(g, fast, gemv, swap)] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 
     def dense(t):
@@ -139,10 +144,10 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     from . import plan as P
 
     g = state.plans.geometry
-    mode = state.plans.gemv
+    mode, swap = state.plans.gemv, state.plans.swap
     if not tune:
-        return {c: P.default_config(c, g, mode) for c in caps}
-    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode)
+        return {c: P.default_config(c, g, mode, swap) for c in caps}
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, swap)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -150,7 +155,8 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
                               f"N={g.intermediate_size})", len(todo))
         for cap in todo:
             cached[cap] = _tune_one(state, cap)
-            progress.step(f"{cap} tokens -> {'gemv' if cached[cap].gemv else f'bm={cached[cap].bm}'}")
+            c = cached[cap]
+            progress.step(f"{cap} tokens -> {'gemv' if c.gemv else f'bm={c.bm}' + (' swapped' if c.swap else '')}")
         P.save_cache(path, P.load_cache(path) | cached, g)
     return {c: cached[c] for c in caps}
 
@@ -194,10 +200,10 @@ def _tune_one(state, cap):
     g = gp.geometry
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
-    cands = P.candidate_configs(cap, g, gp.gemv)
+    cands = P.candidate_configs(cap, g, gp.gemv, gp.swap)
     best = None
-    for bm, gemv in sorted({(c.bm, c.gemv) for c in cands}):
-        group = [c for c in cands if c.bm == bm and c.gemv == gemv]
+    for bm, gemv, swap in sorted({(c.bm, c.gemv, c.swap) for c in cands}):
+        group = [c for c in cands if (c.bm, c.gemv, c.swap) == (bm, gemv, swap)]
         gp.reserve(cap, group[0])
         # routing for this block size, once
         _launch_all(state, group[0], x, ids, w, out, stages=("prologue",))
@@ -219,7 +225,7 @@ def _tune_one(state, cap):
         b2 = min(t2, key=t2.get)
         total = t1[b1] + t2[b2]
         if best is None or total < best[0]:
-            best = (total, P.Config(bm, *b1, *b2, group[0].atomic, gemv=gemv))
+            best = (total, P.Config(bm, *b1, *b2, group[0].atomic, gemv=gemv, swap=swap))
     return best[1]
 
 

@@ -37,6 +37,28 @@ def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
     return triton.cdiv(num_slots, bm) + min(num_experts, num_slots)
 
 
+# ------------------------------------------------------------------------------- split layout
+# The transposed GEMMs (``gemm1t``/``gemm2t``) read activations in the "split" column order: in
+# every 32 columns, the 16 even elements first, then the 16 odd ones. Byte ``h`` of a 32-element
+# MXFP4 block holds elements ``2h`` and ``2h + 1``, so the activations a chunk of code bytes meets
+# are then two runs of 16 contiguous values (vector loads) instead of two stride-2 gathers.
+@triton.jit
+def split_col(c):
+    """Column of element ``c`` in the split layout."""
+    return (c // 32) * 32 + (c % 2) * 16 + (c % 32) // 2
+
+
+def split_perm(n: int) -> torch.Tensor:
+    """Twin of ``split_col``: ``perm[c]`` is element ``c``'s column (``t_split[..., perm] = t``)."""
+    c = torch.arange(n)
+    return (c // 32) * 32 + (c % 2) * 16 + (c % 32) // 2
+
+
+def unsplit(t: torch.Tensor) -> torch.Tensor:
+    """The natural column order of a split-layout ``[..., n]`` tensor."""
+    return t[..., split_perm(t.shape[-1])]
+
+
 # ------------------------------------------------------------------------------------- prologue
 def _jit(*, dns, dnsa=()):
     """``triton.jit`` for kernels launched precompiled: arguments that change from call to call
@@ -85,6 +107,7 @@ def prologue_kernel(
     M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks, w_kind, x_fp16,
     K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
     CH: tl.constexpr, BCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr, ZERO_ACC: tl.constexpr,
+    SPLIT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if pid == 0:
@@ -136,7 +159,11 @@ def prologue_kernel(
             msk = rm[:, None] & (ks < K)[None, :]
             raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0)
             q = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
-            tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], q, mask=msk)
+            if SPLIT:
+                cols = split_col(ks)
+            else:
+                cols = ks
+            tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=msk)
             if ZERO_ACC:
                 tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32), mask=msk)
 
@@ -310,6 +337,133 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
     if g2 is not None:
         y = y * g2[e]
     return y * weights[:, None]
+
+
+# ---------------------------------------------------------------------------- transposed GEMMs
+# The blocked GEMMs with the operands swapped: each program computes ``W[e] tile @ x rows^T``,
+# a ``[BN, BM]`` tile with the weight rows as the MMA's M side (64+ on Hopper's warpgroup MMA) and
+# the expert block's rows (as few as 16) as its N side. The decoded weights are the MMA's first
+# operand, which Hopper can take from registers, so they need no trip through shared memory; the
+# activations (split layout, see ``split_col``) are the second. Same arguments, grids and buffers
+# as gemm1/gemm2, except that ``xq`` and ``act`` are in the split layout.
+@_jit(dns=("nblocks",))
+def gemm1t_kernel(
+    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
+    nblocks, limit,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % nblocks
+    pid_n = pid // nblocks
+    e = tl.load(blk_expert_ptr + pid_m)
+    if e < 0:
+        return
+    nrows = tl.load(blk_rows_ptr + pid_m)
+    offs_r = tl.arange(0, BM)
+    rvalid = offs_r < nrows
+    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    tok = (slot // TOPK).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < N
+    if UP_FIRST:
+        up_rows = offs_n
+        gate_rows = offs_n + N
+    else:
+        up_rows = offs_n + N
+        gate_rows = offs_n
+    KH: tl.constexpr = K // 2
+    KS: tl.constexpr = K // 32
+    BKH: tl.constexpr = BK // 2
+    w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
+    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
+    offs_h = tl.arange(0, BKH)
+    offs_s = tl.arange(0, BK // 32)
+    # byte h of the chunk meets elements k0 + 2h (split column k0 + 32 (h // 16) + h % 16) and k0 + 2h + 1 (+16)
+    xT = xq_ptr + tok[None, :] * K + (32 * (offs_h // 16) + offs_h % 16)[:, None]  # [BKH, BM]
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        hmask = (k0 // 2 + offs_h) < KH
+        xm = hmask[:, None] & rvalid[None, :]
+        xe = tl.load(xT + k0, mask=xm, other=0.0).to(DOT_DTYPE)
+        xo = tl.load(xT + k0 + 16, mask=xm, other=0.0).to(DOT_DTYPE)
+        wm = nvalid[:, None] & hmask[None, :]
+        sm = nvalid[:, None] & ((k0 // 32 + offs_s) < KS)[None, :]
+        cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
+        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
+        ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE, FAST)
+        acc_u = tl.dot(ue, xe, acc_u)
+        acc_u = tl.dot(uo, xo, acc_u)
+        cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
+        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
+        ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE, FAST)
+        acc_g = tl.dot(ge, xe, acc_g)
+        acc_g = tl.dot(go, xo, acc_g)
+    if HAS_GS:
+        g = tl.load(gs_ptr + e)
+        acc_u = acc_u * g
+        acc_g = acc_g * g
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = tl.trans(acc_g * tl.sigmoid(acc_g) * acc_u)  # [BM, BN]
+    act = quant_dequant_mxfp8_tile(act, BM, BN)
+    rows = (pid_m * BM + offs_r).to(tl.int64)
+    tl.store(a_ptr + rows[:, None] * N + split_col(offs_n)[None, :], act, mask=rvalid[:, None] & nvalid[None, :])
+
+
+@_jit(dns=("nblocks",))
+def gemm2t_kernel(
+    a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+    nblocks,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
+):
+    """As ``gemm2_kernel`` with the operands swapped: a ``[BN outputs, BM rows]`` tile."""
+    pid = tl.program_id(0)
+    pid_m = pid % nblocks
+    pid_n = pid // nblocks
+    e = tl.load(blk_expert_ptr + pid_m)
+    if e < 0:
+        return
+    nrows = tl.load(blk_rows_ptr + pid_m)
+    offs_r = tl.arange(0, BM)
+    rvalid = offs_r < nrows
+    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    offs_o = pid_n * BN + tl.arange(0, BN)
+    ovalid = offs_o < K
+    NH: tl.constexpr = N // 2
+    NS: tl.constexpr = N // 32
+    BKH: tl.constexpr = BK // 2
+    w_e = w_ptr + e.to(tl.int64) * (K * NH)
+    s_e = s_ptr + e.to(tl.int64) * (K * NS)
+    offs_h = tl.arange(0, BKH)
+    offs_s = tl.arange(0, BK // 32)
+    aT = a_ptr + (pid_m * BM + offs_r).to(tl.int64)[None, :] * N + (32 * (offs_h // 16) + offs_h % 16)[:, None]
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for n0 in range(0, N, BK):
+        hmask = (n0 // 2 + offs_h) < NH
+        am = hmask[:, None] & rvalid[None, :]
+        ae = tl.load(aT + n0, mask=am, other=0.0).to(DOT_DTYPE)
+        ao = tl.load(aT + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
+        wm = ovalid[:, None] & hmask[None, :]
+        c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=wm, other=0)
+        sm = ovalid[:, None] & ((n0 // 32 + offs_s) < NS)[None, :]
+        s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=sm, other=0)
+        we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
+        acc = tl.dot(we, ae, acc)
+        acc = tl.dot(wo, ao, acc)
+    if HAS_GS:
+        acc = acc * tl.load(gs_ptr + e)
+    acc = acc * tl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]
+    msk = ovalid[:, None] & rvalid[None, :]
+    if ATOMIC:
+        tok = (slot // TOPK).to(tl.int64)
+        tl.atomic_add(dst_ptr + tok[None, :] * K + offs_o[:, None], acc, mask=msk, sem="relaxed")
+    else:
+        tl.store(dst_ptr + slot.to(tl.int64)[None, :] * K + offs_o[:, None], acc, mask=msk)
 
 
 # ---------------------------------------------------------------------------------- small-M GEMV

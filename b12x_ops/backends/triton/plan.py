@@ -52,6 +52,9 @@ class Config:
     # the small-M path: gemv1/gemv2 on the CUDA cores, one slot a program (bm is then 1, and
     # bn1/bk1/warps1/stages1, bn2/bk2/warps2/stages2 are the two GEMV kernels' tiles)
     gemv: bool = False
+    # the transposed blocked GEMMs (gemm1t/gemm2t: weight rows on the MMA's M side, activations
+    # in the split layout); bn1/bn2 are then weight rows a program, bm the block's token rows
+    swap: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -60,22 +63,31 @@ class Config:
 # (bm, gemm1 (bn, bk, warps, stages), gemm2 (bn, bk, warps, stages)) by rows per touched expert:
 # the default first, then the alternatives the tuner also times. Dequantization is the ALU cost
 # each expert block pays once per weight element, so bigger blocks amortize it over more rows.
+# _REGIMES: the row-major blocked GEMMs (gemm1/gemm2); _REGIMES_T: the transposed ones
+# (gemm1t/gemm2t, bn = weight rows a program: 64 a warpgroup on Hopper), the default.
 _REGIMES = (
     (16, [(16, (32, 256, 4, 4), (32, 256, 4, 4)), (16, (16, 256, 4, 4), (64, 128, 4, 3))]),
     (48, [(32, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (32, 256, 4, 3), (32, 256, 4, 3))]),
     (128, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (64, (64, 64, 8, 3), (128, 64, 8, 3))]),
     (1 << 30, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (128, (64, 64, 8, 3), (128, 64, 8, 3))]),
 )
+_REGIMES_T = (
+    (16, [(16, (64, 128, 4, 3), (64, 128, 4, 3)), (16, (128, 128, 8, 3), (128, 128, 8, 3))]),
+    (48, [(32, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (128, 64, 8, 3), (128, 128, 8, 3))]),
+    (128, [(64, (64, 128, 4, 3), (128, 128, 8, 3)), (64, (128, 64, 8, 3), (128, 64, 4, 3))]),
+    (1 << 30, [(128, (64, 128, 8, 3), (128, 128, 8, 3)), (64, (128, 64, 8, 3), (128, 64, 4, 3))]),
+)
 
 
-def _regime(tokens: int, geometry):
+def _regime(tokens: int, geometry, swap: bool = True):
     g = geometry
     slots = tokens * g.top_k
     rows = slots / max(1, min(g.num_experts, slots))
-    for bound, cands in _REGIMES:
+    table = _REGIMES_T if swap else _REGIMES
+    for bound, cands in table:
         if rows <= bound:
             return cands
-    return _REGIMES[-1][1]
+    return table[-1][1]
 
 
 def _atomic(tokens: int, geometry) -> bool:
@@ -110,16 +122,17 @@ def gemv_config(tokens: int, geometry, i: int = 0) -> Config:
     return Config(1, *g1, *g2, _atomic(tokens, geometry), gemv=True)
 
 
-def default_config(tokens: int, geometry, gemv=None) -> Config:
+def default_config(tokens: int, geometry, gemv=None, swap=None) -> Config:
     """A good configuration without tuning: the GEMV path for few slots (``gemv`` None), else by
-    rows per touched expert."""
+    rows per touched expert (the transposed GEMMs unless ``swap`` is False)."""
     if use_gemv(tokens, geometry, gemv):
         return gemv_config(tokens, geometry)
-    bm, g1, g2 = _regime(tokens, geometry)[0]
-    return Config(bm, *g1, *g2, _atomic(tokens, geometry))
+    sw = swap is not False
+    bm, g1, g2 = _regime(tokens, geometry, sw)[0]
+    return Config(bm, *g1, *g2, _atomic(tokens, geometry), swap=sw)
 
 
-def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
+def candidate_configs(tokens: int, geometry, gemv=None, swap=None) -> list[Config]:
     """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately):
     the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced."""
     out = []
@@ -129,13 +142,14 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
                 out.append(Config(1, *g1, *g2, _atomic(tokens, geometry), gemv=True))
     if gemv is True:
         return out
-    cands = _regime(tokens, geometry)
-    for bm, _, _ in cands:
-        for _, g1, _ in cands:
-            for _, _, g2 in cands:
-                c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
-                if c not in out:
-                    out.append(c)
+    for sw in (True, False) if swap is None else (swap,):
+        cands = _regime(tokens, geometry, sw)
+        for bm, _, _ in cands:
+            for _, g1, _ in cands:
+                for _, _, g2 in cands:
+                    c = Config(bm, *g1, *g2, _atomic(tokens, geometry), swap=sw)
+                    if c not in out:
+                        out.append(c)
     return out
 
 
@@ -221,9 +235,10 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool, gemv=None):
+    def __init__(self, geometry, fast_scales: bool, gemv=None, swap=None):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
+        self.swap = swap  # the transposed blocked GEMMs: None (default: yes), True, False
         # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
         self.fast_scales = fast_scales
         self.configs: dict[int, Config] = {}
@@ -255,15 +270,15 @@ class GeometryPlans:
     def launch(self, kind: str, cfg: Config | None) -> Launch:
         g = self.geometry
         if kind == "prologue":
-            key = (kind, cfg.bm, cfg.atomic)
+            key = (kind, cfg.bm, cfg.atomic, cfg.swap)
         elif kind == "gemm1" and cfg.gemv:
             key = ("gemv1", cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2", cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
         elif kind == "gemm1":
-            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
+            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1, cfg.swap)
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic, cfg.swap)
         else:
             key = (kind, cfg.atomic)
         hit = self.launches.get(key)
@@ -273,7 +288,8 @@ class GeometryPlans:
         if kind == "prologue":
             p = PROLOGUE
             ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, CH=p["CH"],
-                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic),
+                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic,
+                                                 SPLIT=cfg.swap),
                         p["warps"], 1)
         elif kind == "gemm1" and cfg.gemv:
             ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
@@ -285,13 +301,13 @@ class GeometryPlans:
                                               ATOMIC=cfg.atomic, BN=cfg.bn2, BK=cfg.bk2),
                         cfg.warps2, cfg.stages2)
         elif kind == "gemm1":
-            ln = Launch(K_.gemm1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+            ln = Launch(K_.gemm1t_kernel if cfg.swap else K_.gemm1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
                                               BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype,
                                               FAST=self.fast_scales),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
-            ln = Launch(K_.gemm2_kernel, dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales,
+            ln = Launch(K_.gemm2t_kernel if cfg.swap else K_.gemm2_kernel, dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales,
                                               ATOMIC=cfg.atomic, BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2,
                                               DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales),
                         cfg.warps2, cfg.stages2)
@@ -335,11 +351,11 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str, gemv=None) -> str:
+def cache_path(geometry, directory: str, gemv=None, swap=None) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 2, gemv])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 3, gemv, swap])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 

@@ -1,0 +1,148 @@
+"""Tile sweep of the blocked path (transposed and row-major GEMMs) on a CUDA GPU.
+
+    python benchmarks/sweep_blocked.py [--geometries ...] [--sizes ...] [--layers 3] [--budget 300]
+
+For every geometry and M, the whole op (four launches) is timed as CUDA-graph replay over
+``--layers`` layers' handles for each candidate configuration: the row-major and transposed
+defaults, then per block size every GEMM1 tile with the default GEMM2 tile and every GEMM2 tile
+with the best GEMM1 tile. Each configuration's output is checked against the reference first.
+Prints a table per geometry (and writes it to ``--out``); stops cleanly when ``--budget`` seconds
+have passed. This is how the defaults in ``plan._REGIMES_T`` were chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import b12x_ops  # noqa: E402
+from b12x_ops.backends.triton import _launch_all  # noqa: E402
+from b12x_ops.backends.triton import plan as P  # noqa: E402
+from bench_moe import GEOMETRIES, graph_time, random_layer, routing  # noqa: E402
+
+G1 = [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)]
+G2 = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 4, 3)]
+
+
+def rel_l2(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def block_sizes(M, g):
+    slots = M * g.top_k
+    rows = slots / max(1, min(g.num_experts, slots))
+    if rows <= 8:
+        return [16]
+    if rows <= 24:
+        return [16, 32]
+    if rows <= 64:
+        return [32, 64]
+    return [64, 128]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
+    ap.add_argument("--sizes", nargs="*", type=int, default=[64, 512, 8192])
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds, split evenly between the geometries")
+    ap.add_argument("--out", default="sweep_blocked.md")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    lines = [f"# Blocked-path tile sweep ({torch.cuda.get_device_name()}); whole op, us per layer, "
+             f"CUDA-graph replay over {args.layers} layers", ""]
+
+    def emit(s):
+        print(s, flush=True)
+        lines.append(s)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    per_geo = args.budget / len(args.geometries)
+    for gi, name in enumerate(args.geometries):
+        deadline = t_start + per_geo * (gi + 1)
+        geo = GEOMETRIES[name]
+        E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
+        layers = [random_layer(E, K, N, "cuda", 100 + i) for i in range(args.layers)]
+        hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
+                                       max_tokens=max(args.sizes), frozen=False) for lw in layers]
+        ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
+        g = hs[0]._state.plans.geometry
+        emit(f"## {name}")
+        emit("")
+        emit("| M | config | us | rel err | regs g1/g2 |")
+        emit("|---|---|---|---|---|")
+        for M in args.sizes:
+            if time.perf_counter() > deadline:
+                emit(f"(this geometry's {per_geo:.0f} s of the budget are spent)")
+                break
+            xs, idss, wss, outs = [], [], [], []
+            for i in range(args.layers):
+                _, ids, w = routing(M, E, top_k, "cuda", 7 + i)
+                xs.append(torch.randn(M, K, device="cuda").to(torch.bfloat16))
+                idss.append(ids)
+                wss.append(w.float())
+                outs.append(torch.empty(M, K, device="cuda", dtype=torch.bfloat16))
+            want = b12x_ops.moe_w4a8(xs[0], idss[0], wss[0], ref)
+            results = {}
+
+            def trial(cfg):
+                if cfg in results:
+                    return results[cfg]
+                if time.perf_counter() > deadline:
+                    return float("inf")
+                st0 = hs[0]._state
+                try:
+                    st0.plans.reserve(M, cfg)
+                    _launch_all(st0, cfg, xs[0], idss[0], wss[0], outs[0])
+                    err = rel_l2(outs[0], want)
+                    calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o)
+                             for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
+                    t = graph_time(calls, reps=10) * 1e6
+                    lns = st0.plans.stages(cfg)
+                    regs = "/".join(str(getattr(ln.compiled, "n_regs", "?")) for ln in lns[1:3])
+                except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
+                    t, err, regs = float("inf"), float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}"
+                results[cfg] = t
+                tiles = "gemv" if cfg.gemv else (f"{'T' if cfg.swap else 'R'} bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} "
+                                                 f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}")
+                bad = "" if err <= 1e-2 else " WRONG"
+                emit(f"| {M} | {tiles} | {t:.1f} | {err:.1e}{bad} | {regs} |")
+                return t if err <= 1e-2 else float("inf")
+
+            base_t = P.default_config(M, g, gemv=False, swap=True)
+            trial(P.default_config(M, g, gemv=False, swap=False))
+            if M * top_k <= 2 * P.GEMV_MAX_SLOTS:
+                trial(P.default_config(M, g, gemv=True))
+            trial(base_t)
+            for bm in block_sizes(M, g):
+                c0 = dataclasses.replace(base_t, bm=bm)
+                best1, bt = None, float("inf")
+                for g1 in G1:
+                    c = dataclasses.replace(c0, bn1=g1[0], bk1=g1[1], warps1=g1[2], stages1=g1[3])
+                    t = trial(c)
+                    if t < bt:
+                        best1, bt = c, t
+                if best1 is None:
+                    continue
+                for g2 in G2:
+                    trial(dataclasses.replace(best1, bn2=g2[0], bk2=g2[1], warps2=g2[2], stages2=g2[3]))
+            ok = {c: t for c, t in results.items() if t < float("inf")}
+            if ok:
+                best = min(ok, key=ok.get)
+                emit(f"| {M} | **best** {best} | **{ok[best]:.1f}** | | |")
+        del hs, ref, layers
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
