@@ -40,9 +40,9 @@ def rel_l2(a, b):
 def block_sizes(M, g):
     slots = M * g.top_k
     rows = slots / max(1, min(g.num_experts, slots))
-    if rows <= 8:
+    if rows <= 4:
         return [16]
-    if rows <= 24:
+    if rows <= 20:
         return [16, 32]
     if rows <= 64:
         return [32, 64]
@@ -75,6 +75,9 @@ def main(argv=None):
         layers = [random_layer(E, K, N, "cuda", 100 + i) for i in range(args.layers)]
         hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
                                        max_tokens=max(args.sizes), frozen=False) for lw in layers]
+        # the same weights with the Triton-ops decode instead of inline PTX (the transposed GEMMs)
+        hs_np = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
+                                          max_tokens=max(args.sizes), frozen=False, ptx=False) for lw in layers]
         ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
         g = hs[0]._state.plans.geometry
         emit(f"## {name}")
@@ -95,25 +98,25 @@ def main(argv=None):
             want = b12x_ops.moe_w4a8(xs[0], idss[0], wss[0], ref)
             results = {}
 
-            def trial(cfg):
-                if cfg in results:
-                    return results[cfg]
+            def trial(cfg, handles=hs, tag=""):
+                if (cfg, tag) in results:
+                    return results[(cfg, tag)]
                 if time.perf_counter() > deadline:
                     return float("inf")
-                st0 = hs[0]._state
+                st0 = handles[0]._state
                 try:
                     st0.plans.reserve(M, cfg)
                     _launch_all(st0, cfg, xs[0], idss[0], wss[0], outs[0])
                     err = rel_l2(outs[0], want)
                     calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o)
-                             for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
+                             for h, x, ids, w, o in zip(handles, xs, idss, wss, outs)]
                     t = graph_time(calls, reps=10) * 1e6
                     lns = st0.plans.stages(cfg)
                     regs = "/".join(str(getattr(ln.compiled, "n_regs", "?")) for ln in lns[1:3])
                 except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
                     t, err, regs = float("inf"), float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}"
-                results[cfg] = t
-                tiles = "gemv" if cfg.gemv else (f"{'T' if cfg.swap else 'R'} bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} "
+                results[(cfg, tag)] = t
+                tiles = tag + "gemv" if cfg.gemv else tag + (f"{'T' if cfg.swap else 'R'} bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} "
                                                  f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}")
                 bad = "" if err <= 1e-2 else " WRONG"
                 emit(f"| {M} | {tiles} | {t:.1f} | {err:.1e}{bad} | {regs} |")
@@ -123,6 +126,7 @@ def main(argv=None):
             trial(P.default_config(M, g, gemv=False, swap=False))
             if M * top_k <= 2 * P.GEMV_MAX_SLOTS:
                 trial(P.default_config(M, g, gemv=True))
+            trial(base_t, hs_np, "(no PTX) ")
             trial(base_t)
             for bm in block_sizes(M, g):
                 c0 = dataclasses.replace(base_t, bm=bm)
@@ -136,11 +140,11 @@ def main(argv=None):
                     continue
                 for g2 in G2:
                     trial(dataclasses.replace(best1, bn2=g2[0], bk2=g2[1], warps2=g2[2], stages2=g2[3]))
-            ok = {c: t for c, t in results.items() if t < float("inf")}
+            ok = {c: t for (c, tag), t in results.items() if t < float("inf") and not tag}
             if ok:
                 best = min(ok, key=ok.get)
                 emit(f"| {M} | **best** {best} | **{ok[best]:.1f}** | | |")
-        del hs, ref, layers
+        del hs, hs_np, ref, layers
         torch.cuda.empty_cache()
 
 

@@ -122,7 +122,7 @@ def test_interp_routing_matches_twin(name, bm):
     st = h._state
     gp = st.plans
     cfg = gp.configs[gp.plan_for(x.shape[0])[0]]
-    cfg = type(cfg)(**dict(cfg.as_dict(), bm=bm))
+    cfg = type(cfg)(**dict(cfg.as_dict(), bm=bm, gemv=False, swap=bm == 32))  # both xq layouts
     gp.reserve(64, cfg)
     out = torch.empty_like(x)
     from b12x_ops.backends.triton import _launch_all
@@ -139,8 +139,9 @@ def test_interp_routing_matches_twin(name, bm):
         r = int(br[b])
         got = sorted(a["sorted"][b * bm: b * bm + r].tolist())
         assert got == sorted(srt[b * bm: b * bm + r].tolist())
-    # quantized activations, bit exact
-    assert torch.equal(a["xq"][: x.numel()].view(x.shape), quant_dequant_mxfp8(x.float()))
+    # quantized activations, bit exact (in the split column order for the transposed GEMMs)
+    xq = a["xq"][: x.numel()].view(x.shape)
+    assert torch.equal(K_.unsplit(xq) if cfg.swap else xq, quant_dequant_mxfp8(x.float()))
 
 
 @inner
@@ -188,36 +189,37 @@ def test_interp_gemv_stages_match_twins(variant, bk):
     # K=96: a K step of 64 leaves a masked tail; N=96: a BN of 64 leaves a masked N tile
     layer = make_layer(E=5, K=96, N=96, top_k=3, seed=4, **variant)
     x, ids, w = make_batch(layer, 7, seed=3, padding_rows=2)  # foreign and padding slots too
-    h = layer.prepare(backend="triton", max_tokens=8, deterministic=True, gemv=True)
+    h = layer.prepare(backend="triton", max_tokens=8, gemv=True)
     st = h._state
     gp = st.plans
     cfg = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True)
     gp.reserve(8, cfg)
-    out = torch.empty_like(x)
+    assert gp.stages(cfg)[0] is None and gp.stages(cfg)[3] is None  # two launches, no routing pass
+    out = torch.full_like(x, float("nan"))
     from b12x_ops.backends.triton import _launch_all
-    _launch_all(st, cfg, x, ids, w, out, stages=("prologue", "gemm1", "gemm2"))
-    a = gp.arena.buffers
-    N, K = layer.N, layer.K
-    S = ids.numel()
-    nb = K_.num_blocks(S, layer.E, 1)
-    xq = quant_dequant_mxfp8(x.float())
-    lid = a["lid"][:S]
-    seen = set()
+    act = gp.arena.buffers["act"]
+    act.fill_(float("nan"))
+    _launch_all(st, cfg, x, ids, w, out, stages=("gemm1", "gemm2"))
+    N, K, top_k = layer.N, layer.K, layer.top_k
+    xq = quant_dequant_mxfp8(x.float())  # gemv1 quantizes x on the fly: bit-exact with this
+    lid = ids.long() - layer.offset
+    lid = torch.where((ids >= 0) & (lid >= 0) & (lid < layer.E), lid, -1)
     g13, g2 = layer.w13_global_scale, layer.w2_global_scale
-    for b in range(nb):
-        e = int(a["blk_expert"][b])
+    for s_ in range(ids.numel()):
+        e = int(lid.view(-1)[s_])
+        got = act[s_ * N: (s_ + 1) * N]
         if e < 0:
+            assert torch.isnan(got).all()  # foreign and padding slots cost no work
             continue
-        s = int(a["sorted"][b])
-        seen.add(s)
-        assert int(lid[s]) == e
-        want = K_.gemv1_torch(xq[s // layer.top_k], layer.w13, layer.w13_scale, e, layer.layout, layer.limit, g13)
-        got = a["act"][b * N: (b + 1) * N]
+        want = K_.gemv1_torch(xq[s_ // top_k], layer.w13, layer.w13_scale, e, layer.layout, layer.limit, g13)
         assert (got != want).float().mean() < 0.02  # a sigmoid ulp may flip a rare MXFP8 rounding
         assert rel_l2(got, want) < 1e-3
-        y = K_.gemv2_torch(got, layer.w2, layer.w2_scale, e, float(a["wts"][s]), g2)
-        assert rel_l2(a["slots"][s * K: (s + 1) * K], y) < 1e-5
-    assert seen == set((lid >= 0).nonzero().squeeze(1).tolist())  # every local slot, once
+    for m in range(x.shape[0]):
+        a_rows = act[m * top_k * N: (m + 1) * top_k * N].view(top_k, N).nan_to_num(0.0)
+        y = K_.gemv2_torch(a_rows, layer.w2, layer.w2_scale, lid[m].tolist(), w[m].float(), g2)
+        assert torch.isfinite(out[m]).all()
+        # the kernel rounds its fp32 sum once: at most one bf16 ulp from the twin's
+        assert torch.allclose(out[m].float(), y.to(x.dtype).float(), rtol=2 ** -7, atol=1e-30)
 
 
 @inner
@@ -307,31 +309,37 @@ def test_interp_atomic_and_chunked_paths(deterministic, gemv):
     for max_tokens in (128, 32) if not gemv else (32 if deterministic else 128,):
         h = layer.prepare(backend="triton", max_tokens=max_tokens, deterministic=deterministic, gemv=gemv)
         cfg = h._state.plans.plan_for(M)[1]
-        assert cfg.gemv == bool(gemv) and (cfg.atomic or deterministic or max_tokens == 32)
+        assert cfg.gemv == bool(gemv)
+        # the blocked path reduces with atomics unless deterministic; GEMV never needs them
+        assert cfg.atomic == (not gemv and not deterministic)
         got = b12x_ops.moe_w4a8(x, ids, w, h)
         assert rel_l2(got, want) <= 1e-2
 
 
 @inner
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_interp_gemv_and_blocked_agree_in_fp32(deterministic):
-    # the fp32 sums before the final rounding: the two paths differ only in fp32 summation order
+def test_interp_gemv_and_blocked_paths_agree(deterministic):
+    # The blocked forms' fp32 sums before the final rounding differ only in fp32 summation order;
+    # the GEMV path (which rounds its own sums) agrees with them to a bf16 rounding.
     layer = make_layer(E=6, K=128, N=64, top_k=4, limit=7.0, seed=9)
     for M in (1, 6):
         x, ids, w = make_batch(layer, M, seed=M, padding_rows=1)
-        sums = []
+        sums, outs = [], []
         for mode, swap in ((True, None), (False, True), (False, False)):  # GEMV, transposed, row-major
             h = layer.prepare(backend="triton", max_tokens=16, gemv=mode, swap=swap, deterministic=deterministic)
-            b12x_ops.moe_w4a8(x, ids, w, h)
+            outs.append(b12x_ops.moe_w4a8(x, ids, w, h))
             cfg = h._state.plans.plan_for(M)[1]
             assert cfg.gemv == mode and cfg.swap == bool(swap)
+            if mode:
+                continue
             a = h._state.plans.arena.buffers
             if cfg.atomic:
                 sums.append(a["acc"][: M * layer.K].view(M, -1).clone())
             else:
                 ok = (a["lid"][: ids.numel()] >= 0)[:, None]  # other slots' rows are never written
                 sums.append(torch.where(ok, a["slots"][: ids.numel() * layer.K].view(-1, layer.K), 0.0))
-        assert rel_l2(sums[0], sums[1]) < 1e-5 and rel_l2(sums[0], sums[2]) < 1e-5
+        assert rel_l2(sums[0], sums[1]) < 1e-5
+        assert rel_l2(outs[0], outs[1]) < 4e-3 and rel_l2(outs[0], outs[2]) < 4e-3
 
 
 @inner

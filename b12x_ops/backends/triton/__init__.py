@@ -13,10 +13,14 @@ Options (``prepare_experts(..., backend="triton", **options)``):
 * ``swap`` (bool or None, default None): the blocked path's GEMMs with the operands swapped
   (weight rows on the tensor-core MMA's M side, ``gemm1t``/``gemm2t``); the default. ``False``
   keeps the row-major ``gemm1``/``gemm2`` (the tuner times both when None).
+* ``ptx`` (bool or None, default None): the transposed GEMMs decode MXFP4 with inline PTX
+  (``mxtl.decode_mxfp4_pair_ptx``) when the checkpoint's scale bytes allow it; ``False`` uses the
+  Triton-ops decode (a benchmark and debugging switch).
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 
-The per-call path (``run``) is four precompiled launches (see ``kernels.py``) and no host sync.
+The per-call path (``run``) is four precompiled launches (two on the small-M GEMV path; see
+``kernels.py``) and no host sync.
 Under ``TRITON_INTERPRET=1`` the backend also runs on the CPU, with fp32 operands (the CPU
 interpreter gets bf16 ``tl.dot`` wrong), which is how CI tests the kernels' logic.
 """
@@ -30,7 +34,7 @@ import weakref
 import torch
 
 NAME = "triton"
-_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "swap")
+_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "swap", "ptx")
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
@@ -82,17 +86,19 @@ def prepare(spec) -> State:
     frozen = bool(spec.options.get("frozen", True))
     gemv = spec.options.get("gemv", None)
     swap = spec.options.get("swap", None)
-    for opt, val in (("gemv", gemv), ("swap", swap)):
+    ptx = spec.options.get("ptx", None)
+    for opt, val in (("gemv", gemv), ("swap", swap), ("ptx", ptx)):
         if val is not None and not isinstance(val, bool):
             raise ValueError(f"prepare_experts: backend 'triton' option {opt}: expected None, True or False, got {val!r}")
 
     # Scale bytes in [2, 252] take the integer decode (the scale folded into the exponent); a
     # checkpoint with others gets kernels of its own (the geometry key includes the choice).
     fast = all(int(t.min()) >= 2 and int(t.max()) <= 252 for t in (spec.w13_scale, spec.w2_scale))
-    shared = _SHARED.get((g, fast, gemv, swap))
+    key = (g, fast, gemv, swap, ptx)
+    shared = _SHARED.get(key)
     if shared is None:
-        shared = P.GeometryPlans(g, fast, gemv, swap)
-        _SHARED[(g, fast, gemv, swap)] = shared
+        shared = P.GeometryPlans(g, fast, gemv, swap, ptx)
+        _SHARED[key] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 
     def dense(t):
@@ -147,7 +153,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     mode, swap = state.plans.gemv, state.plans.swap
     if not tune:
         return {c: P.default_config(c, g, mode, swap) for c in caps}
-    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, swap)
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, swap, state.plans.ptx)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -205,7 +211,7 @@ def _tune_one(state, cap):
     for bm, gemv, swap in sorted({(c.bm, c.gemv, c.swap) for c in cands}):
         group = [c for c in cands if (c.bm, c.gemv, c.swap) == (bm, gemv, swap)]
         gp.reserve(cap, group[0])
-        # routing for this block size, once
+        # routing for this block size, once (the GEMV path has none)
         _launch_all(state, group[0], x, ids, w, out, stages=("prologue",))
         t1 = {}
         t2 = {}
@@ -235,7 +241,7 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
         return
     gp = state.plans
     _, cfg = gp.plan_for(m)
-    if not cfg.atomic and m > gp.slot_chunk:
+    if not cfg.atomic and not cfg.gemv and m > gp.slot_chunk:
         step = gp.slot_chunk
         for s in range(0, m, step):
             e = min(s + step, m)
@@ -248,6 +254,21 @@ _ALL = ("prologue", "gemm1", "gemm2", "finalize")
 _W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def _raw_routing(topk_ids, topk_weights):
+    """The caller's routing as raw 32/16-bit views, so one compiled kernel serves every dtype the op
+    accepts (int32/int64 ids: the low word of an int64): ``(ids32, (si0, si1), w16, (sw0, sw1),
+    w_kind)`` with strides in view elements."""
+    if topk_ids.stride(1) != 1 and topk_ids.dtype == torch.int64:
+        topk_ids = topk_ids.contiguous()
+    ids_mul = 2 if topk_ids.dtype == torch.int64 else 1
+    if topk_weights.dtype == torch.float32 and topk_weights.stride(1) != 1:
+        topk_weights = topk_weights.contiguous()
+    w_mul = 2 if topk_weights.dtype == torch.float32 else 1
+    return (topk_ids.view(torch.int32), (topk_ids.stride(0) * ids_mul, topk_ids.stride(1) * ids_mul),
+            topk_weights.view(torch.int16), (topk_weights.stride(0) * w_mul, topk_weights.stride(1) * w_mul),
+            _W_KIND[topk_weights.dtype])
+
+
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
     from .kernels import num_blocks  # (cached imports: cheap, and keep this module light to import)
     from .plan import FINALIZE, PROLOGUE
@@ -257,26 +278,28 @@ def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
     a = gp.arena.buffers
     m = x.shape[0]
     S = m * g.top_k
+    prologue, gemm1, gemm2, finalize = gp.stages(cfg)
+    if cfg.gemv:  # two launches, no routing pass (see kernels.gemv1_kernel)
+        ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
+        if "gemm1" in stages:
+            gemm1((S * -(-g.intermediate_size // cfg.bn1),),
+                  x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a["act"],
+                  S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
+        if "gemm2" in stages:
+            gemm2((m * -(-g.hidden_size // cfg.bn2),),
+                  a["act"], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
+                  m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0), int(out.dtype == torch.float16))
+        return
     bm = cfg.bm
     nb = num_blocks(S, g.num_experts, bm)
     dst = a["acc"] if cfg.atomic else a["slots"]
-    prologue, gemm1, gemm2, finalize = gp.stages(cfg)
     if "prologue" in stages:
-        # The caller's routing and activations travel as raw 32/16-bit views, so one compiled
-        # prologue serves every dtype the op accepts (int32/int64 ids: the low word of an int64).
-        if topk_ids.stride(1) != 1 and topk_ids.dtype == torch.int64:
-            topk_ids = topk_ids.contiguous()
-        ids32, ids_mul = topk_ids.view(torch.int32), 2 if topk_ids.dtype == torch.int64 else 1
-        if topk_weights.dtype == torch.float32 and topk_weights.stride(1) != 1:
-            topk_weights = topk_weights.contiguous()
-        w16 = topk_weights.view(torch.int16)
-        w_mul = 2 if topk_weights.dtype == torch.float32 else 1
+        ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         prologue(
             (1 + -(-m // PROLOGUE["QR"]),),
             ids32, w16, x.view(torch.int16), a["xq"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
-            a["blk_rows"], a["cursor"], m, topk_ids.stride(0) * ids_mul, topk_ids.stride(1) * ids_mul,
-            topk_weights.stride(0) * w_mul, topk_weights.stride(1) * w_mul, x.stride(0), state.expert_offset, nb,
-            _W_KIND[topk_weights.dtype], int(x.dtype == torch.float16))
+            a["blk_rows"], a["cursor"], m, si0, si1, sw0, sw1, x.stride(0), state.expert_offset, nb, w_kind,
+            int(x.dtype == torch.float16))
     if "gemm1" in stages:
         gemm1(
             (nb * -(-g.intermediate_size // cfg.bn1),),

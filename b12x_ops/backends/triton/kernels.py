@@ -1,6 +1,7 @@
-"""The four stage kernels of the Triton W4A8 MoE, each with its pure-torch twin beside it.
+"""The stage kernels of the Triton W4A8 MoE, each with its pure-torch twin beside it.
 
-One call is four launches with grids derived from shapes only (no host sync):
+A call of the blocked (tensor-core) path is four launches with grids derived from shapes only
+(no host sync):
 
 1. ``prologue``: program 0 routes (local ids, slot weights, a per-expert histogram, expert blocks
    of ``BM`` rows, and the slots scattered into those blocks); every other program quantizes
@@ -14,7 +15,9 @@ One call is four launches with grids derived from shapes only (no host sync):
    the output dtype.
 
 Padding and foreign slots are routed to no block, so they cost no GEMM work; blocks past the
-batch's real ones exit at their first load.
+batch's real ones exit at their first load. ``gemm1``/``gemm2`` come in two forms: row-major and
+transposed (``gemm1t``/``gemm2t``, the default). The small-M path is two launches, ``gemv1`` and
+``gemv2`` (see there).
 """
 
 from __future__ import annotations
@@ -25,15 +28,14 @@ import triton.language as tl
 
 from ..reference import swiglu as swiglu_torch
 from ...mx import dequantize_mxfp4, quant_dequant_mxfp8
-from .mxtl import decode_mxfp4_pair, e2m1_nibble_pair_f32_2m14, e8m0_f32, quant_dequant_mxfp8_tile
+from .mxtl import (decode_mxfp4_pair, decode_mxfp4_pair_ptx, e2m1_nibble_pair_f32_2m14, e8m0_f32, mxfp8_apply, mxfp8_block_scale,
+                   quant_dequant_mxfp8_tile)
 
 
 def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
     """Upper bound on expert blocks of ``bm`` rows: every expert's partial block plus full ones."""
     if num_slots == 0:
         return 0
-    if bm == 1:  # (the GEMV path) one block a local slot: no partial blocks
-        return num_slots
     return triton.cdiv(num_slots, bm) + min(num_experts, num_slots)
 
 
@@ -353,6 +355,7 @@ def gemm1t_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
+    PTX: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_m = pid % nblocks
@@ -393,12 +396,18 @@ def gemm1t_kernel(
         sm = nvalid[:, None] & ((k0 // 32 + offs_s) < KS)[None, :]
         cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
         su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
-        ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE, FAST)
+        if PTX:
+            ue, uo = decode_mxfp4_pair_ptx(cu, su, BN, BKH)
+        else:
+            ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE, FAST)
         acc_u = tl.dot(ue, xe, acc_u)
         acc_u = tl.dot(uo, xo, acc_u)
         cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
         sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
-        ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE, FAST)
+        if PTX:
+            ge, go = decode_mxfp4_pair_ptx(cg, sg, BN, BKH)
+        else:
+            ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE, FAST)
         acc_g = tl.dot(ge, xe, acc_g)
         acc_g = tl.dot(go, xo, acc_g)
     if HAS_GS:
@@ -420,6 +429,7 @@ def gemm2t_kernel(
     nblocks,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
+    PTX: tl.constexpr = False,
 ):
     """As ``gemm2_kernel`` with the operands swapped: a ``[BN outputs, BM rows]`` tile."""
     pid = tl.program_id(0)
@@ -452,7 +462,10 @@ def gemm2t_kernel(
         c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=wm, other=0)
         sm = ovalid[:, None] & ((n0 // 32 + offs_s) < NS)[None, :]
         s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=sm, other=0)
-        we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
+        if PTX:
+            we, wo = decode_mxfp4_pair_ptx(c, s, BN, BKH)
+        else:
+            we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
         acc = tl.dot(we, ae, acc)
         acc = tl.dot(wo, ao, acc)
     if HAS_GS:
@@ -467,31 +480,32 @@ def gemm2t_kernel(
 
 
 # ---------------------------------------------------------------------------------- small-M GEMV
-# The small-M path: routing with blocks of ONE row (``BM = 1``: ``sorted[b]`` is a slot and
-# ``blk_expert[b]`` its expert, slots of one expert adjacent, so duplicates of an expert run side
-# by side and share its weights in L2), then per (slot, tile) a matrix-vector product on the CUDA
-# cores: no tensor-core tile padded from 1 row to 16, no layout conversion of the decoded weights.
-# The codes load as int32 words (16-byte vectors), decode two nibbles at a time through fp16 bits
-# to fp32 (times 2^-14) and multiply x elementwise; the products are summed per 32-element block
+# The small-M path is two launches and needs no routing pass: ``gemv1`` runs per (routed slot,
+# N tile) and reads the slot's expert id itself (foreign and padding slots exit at once), quantizes
+# its token's row of x to MXFP8 on the fly and writes the slot's ``dq8(silu(gate) * up)`` row;
+# ``gemv2`` runs per (token, K tile), adds the token's slots in slot order (deterministic, no
+# atomics, no accumulator to zero) and writes the output in its dtype. Both are matrix-vector
+# products on the CUDA cores (no tensor-core tile padded from 1 row to 16): the codes load as
+# int32 words (16-byte vectors), decode two nibbles at a time through fp16 bits to fp32 (times
+# 2^-14) and multiply the activations elementwise; the products are summed per 32-element block
 # first, so the E8M0 scale (and 2^14) is one multiply per 32 elements.
-# Same arguments, grids (with bm = 1) and buffers as gemm1/gemm2, so routing, the arena and
-# finalize are shared with the blocked path.
-@_jit(dns=("nblocks",))
+@_jit(dns=("S", "stride_xm", "stride_im", "stride_ik", "expert_offset", "x_fp16"), dnsa=("x_ptr", "ids_ptr"))
 def gemv1_kernel(
-    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
-    nblocks, limit,
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
+    x_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
+    S, stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """Program (row block b, N tile): ``dq8(silu(gate) * up)`` of slot ``sorted[b]``, ``[BN]``."""
+    """Program (slot b, N tile): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into ``a[b]``.
+    ``x`` and the ids come as raw 16-/32-bit views (see ``prologue_kernel``)."""
     pid = tl.program_id(0)
-    b = pid % nblocks
-    pid_n = pid // nblocks
-    e = tl.load(blk_expert_ptr + b)
-    if e < 0:
+    b = pid % S
+    pid_n = pid // S
+    m = b // TOPK
+    gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(tl.int64)
+    e = gid - expert_offset
+    if (gid < 0) | (e < 0) | (e >= E):
         return
-    slot = tl.load(sorted_ptr + b)
-    tok = (slot // TOPK).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < N
     if UP_FIRST:
@@ -504,12 +518,13 @@ def gemv1_kernel(
     KW: tl.constexpr = K // 8  # int32 words of codes a row
     KS: tl.constexpr = K // 32
     NB: tl.constexpr = BK // 32
-    w_e = (w_ptr + e.to(tl.int64) * (2 * N * KH)).to(tl.pointer_type(tl.int32))
-    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
+    w_e = (w_ptr + e * (2 * N * KH)).to(tl.pointer_type(tl.int32))
+    s_e = s_ptr + e * (2 * N * KS)
     j = tl.arange(0, NB)  # 32-element block within the chunk
     q = tl.arange(0, 4)  # word within the block
     word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
-    x_row = xq_ptr + tok * K
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    blk = tl.arange(0, 32)
     acc_u = tl.zeros((BN, NB), dtype=tl.float32)
     acc_g = tl.zeros((BN, NB), dtype=tl.float32)
     up_w = w_e + up_rows[:, None, None] * KW + word_off[None, :, :]
@@ -533,11 +548,18 @@ def gemv1_kernel(
         cg_next = tl.load(gate_w + (k0 + BK) // 8, mask=wm, other=0)
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
+        # the MXFP8 block scales of this chunk of x (the row is quantized on the fly)
+        raw = tl.load(x_row + k0 + j[:, None] * 32 + blk[None, :], mask=bvalid[:, None], other=0)
+        pow2, inv = mxfp8_block_scale(tl.max(tl.abs(half_bits_to_f32(raw, x_fp16)), axis=1))
+        pow2 = pow2[:, None]
+        inv = inv[:, None]
         pu = tl.zeros((BN, NB, 4), dtype=tl.float32)
         pg = tl.zeros((BN, NB, 4), dtype=tl.float32)
         for t in tl.static_range(4):  # elements 8q + t and 8q + t + 4 of each word q: nibbles t, t + 4
-            xa = tl.load(x_row + k0 + 8 * word_off + t, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
-            xb = tl.load(x_row + k0 + 8 * word_off + t + 4, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
+            ra = tl.load(x_row + k0 + 8 * word_off + t, mask=bvalid[:, None], other=0)
+            rb = tl.load(x_row + k0 + 8 * word_off + t + 4, mask=bvalid[:, None], other=0)
+            xa = mxfp8_apply(half_bits_to_f32(ra, x_fp16), pow2, inv)[None, :, :]
+            xb = mxfp8_apply(half_bits_to_f32(rb, x_fp16), pow2, inv)[None, :, :]
             ua, ub = e2m1_nibble_pair_f32_2m14(cu, t)
             pu = pu + ua * xa
             pu = pu + ub * xb
@@ -561,34 +583,15 @@ def gemv1_kernel(
     tl.store(a_ptr + b.to(tl.int64) * N + offs_n, act, mask=nvalid)
 
 
-@_jit(dns=("nblocks",))
-def gemv2_kernel(
-    a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
-    nblocks,
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
-):
-    """Program (row block b, K tile of BN outputs): ``wts[slot] * dq8(a) @ W2[e]^T`` reduced over N
-    in BK steps, added into the fp32 accumulator (ATOMIC) or stored in the slot's row."""
-    pid = tl.program_id(0)
-    b = pid % nblocks
-    pid_n = pid // nblocks
-    e = tl.load(blk_expert_ptr + b)
-    if e < 0:
-        return
-    slot = tl.load(sorted_ptr + b)
-    offs_o = pid_n * BN + tl.arange(0, BN)
-    ovalid = offs_o < K
-    NH: tl.constexpr = N // 2
+@triton.jit
+def _gemv2_slot(a_row, w_e, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``dq8(a) @ W2[e]^T`` for one slot's activation row and ``BN`` output rows, fp32 ``[BN]``."""
     NW: tl.constexpr = N // 8  # int32 words of codes a row
     NS: tl.constexpr = N // 32
     NB: tl.constexpr = BK // 32
-    w_e = (w_ptr + e.to(tl.int64) * (K * NH)).to(tl.pointer_type(tl.int32))
-    s_e = s_ptr + e.to(tl.int64) * (K * NS)
     j = tl.arange(0, NB)
     q = tl.arange(0, 4)
     word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
-    a_row = a_ptr + b.to(tl.int64) * N
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     row_w = w_e + offs_o[:, None, None] * NW + word_off[None, :, :]
     row_s = s_e + offs_o[:, None] * NS + j[None, :]
@@ -610,15 +613,40 @@ def gemv2_kernel(
             p = p + wb * ab
         acc += (tl.sum(p, axis=2) * 16384.0) * e8m0_f32(sc)
         c, sc = c_next, sc_next
-    y = tl.sum(acc, axis=1)
-    if HAS_GS:
-        y = y * tl.load(gs_ptr + e)
-    y = y * tl.load(wts_ptr + slot)
-    if ATOMIC:
-        tok = (slot // TOPK).to(tl.int64)
-        tl.atomic_add(dst_ptr + tok * K + offs_o, y, mask=ovalid, sem="relaxed")
-    else:
-        tl.store(dst_ptr + slot.to(tl.int64) * K + offs_o, y, mask=ovalid)
+    return tl.sum(acc, axis=1)
+
+
+@_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "expert_offset", "w_kind", "stride_om",
+           "out_fp16"),
+      dnsa=("ids_ptr", "wts_ptr", "out_ptr"))
+def gemv2_kernel(
+    a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
+    M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Program (token m, K tile of BN outputs): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T`` over
+    the token's local slots in slot order, rounded once to the output dtype."""
+    pid = tl.program_id(0)
+    m = pid % M
+    pid_n = pid // M
+    offs_o = pid_n * BN + tl.arange(0, BN)
+    ovalid = offs_o < K
+    NH: tl.constexpr = N // 2
+    NS: tl.constexpr = N // 32
+    m64 = m.to(tl.int64)
+    total = tl.zeros((BN,), dtype=tl.float32)
+    for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
+        gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
+        e = gid - expert_offset
+        if (gid >= 0) & (e >= 0) & (e < E):
+            w_e = (w_ptr + e * (K * NH)).to(tl.pointer_type(tl.int32))
+            s_e = s_ptr + e * (K * NS)
+            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_e, s_e, offs_o, ovalid, N, BN, BK)
+            if HAS_GS:
+                y = y * tl.load(gs_ptr + e)
+            total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
+    tl.store(out_ptr + m64 * stride_om + offs_o, f32_to_half_bits(total, out_fp16), mask=ovalid)
 
 
 def gemv1_torch(xq_row, w13, w13_scale, e, layout, limit, g13=None):
@@ -626,9 +654,15 @@ def gemv1_torch(xq_row, w13, w13_scale, e, layout, limit, g13=None):
     return gemm1_torch(xq_row[None, :], w13, w13_scale, e, layout, limit, g13)[0]
 
 
-def gemv2_torch(a_row, w2, w2_scale, e, weight, g2=None):
-    """Twin of ``gemv2_kernel`` for one slot: ``weight * dq8(a) @ W2[e]^T``, fp32 ``[K]``."""
-    return gemm2_torch(a_row[None, :], w2, w2_scale, e, torch.as_tensor([weight], dtype=torch.float32, device=a_row.device), g2)[0]
+def gemv2_torch(a_rows, w2, w2_scale, lids, weights, g2=None):
+    """Twin of ``gemv2_kernel`` for one token before the final rounding: ``a_rows`` ``[TOPK, N]``,
+    the slots' local ids (negative: not ours) and router weights; fp32 ``[K]``, in slot order."""
+    total = torch.zeros(w2.shape[1], dtype=torch.float32)
+    for j, e in enumerate(lids):
+        if e >= 0:
+            total += gemm2_torch(a_rows[j][None, :], w2, w2_scale, int(e),
+                                 torch.as_tensor([float(weights[j])], dtype=torch.float32), g2)[0]
+    return total
 
 
 # ------------------------------------------------------------------------------------- finalize

@@ -69,6 +69,70 @@ def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, O
     return even, odd
 
 
+# Inline PTX decode of MXFP4 to bf16 for the tensor-core GEMMs (GPU only; the interpreter and
+# checkpoints with scale bytes outside [2, 252] take ``decode_mxfp4_pair``). One instance takes 4
+# code bytes and their 4 scale bytes (one 32-bit register each) and returns, per byte, its low
+# nibble's value (``even``) and its high nibble's (``odd``), two bf16 per register:
+#  * ``prmt`` spreads two code bytes 16 bits apart (bytes 0,1 -> bits 0 and 16); the odd nibbles
+#    are first shifted down and masked;
+#  * two shifts place a nibble's magnitude bits ``e1 e0 m`` at bf16 bits 8..6 and its sign at bit
+#    15, in both halves at once, and one ``lop3`` keeps exactly those bits ((a | b) & mask: each
+#    shifted copy is zero where the other one's bits are kept). The bf16 read that way is the E2M1
+#    value times 2^-126 (exponent field e1 e0; e1 e0 = 0 is a subnormal, which bf16 arithmetic keeps);
+#  * ``fma.rn.bf16x2`` by 2^126 (both halves) gives the E2M1 value exactly, a second one by the
+#    scale ``2^(byte - 127)`` (the byte shifted into a bf16 exponent field) the weight, exactly for
+#    bytes in [2, 252] (every product stays a normal bf16).
+# About 30 integer and bf16x2 instructions for 8 weights, against ~10 an element in Triton ops.
+_DECODE_PTX = tl.constexpr("""
+{
+.reg .b32 lo, hi, t, u, s01, s23, h, msk, bias, nz;
+mov.b32 msk, 0x81C081C0;
+mov.b32 bias, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+prmt.b32 s01, $5, 0, 0x4140;
+shl.b32 s01, s01, 7;
+prmt.b32 s23, $5, 0, 0x4342;
+shl.b32 s23, s23, 7;
+prmt.b32 lo, $4, 0, 0x4140;
+shl.b32 t, lo, 6;
+shl.b32 u, lo, 12;
+lop3.b32 t, t, u, msk, 0xA8;
+fma.rn.bf16x2 t, t, bias, nz;
+fma.rn.bf16x2 $0, t, s01, nz;
+prmt.b32 hi, $4, 0, 0x4342;
+shl.b32 t, hi, 6;
+shl.b32 u, hi, 12;
+lop3.b32 t, t, u, msk, 0xA8;
+fma.rn.bf16x2 t, t, bias, nz;
+fma.rn.bf16x2 $1, t, s23, nz;
+shr.b32 h, $4, 4;
+and.b32 h, h, 0x0F0F0F0F;
+prmt.b32 lo, h, 0, 0x4140;
+shl.b32 t, lo, 6;
+shl.b32 u, lo, 12;
+lop3.b32 t, t, u, msk, 0xA8;
+fma.rn.bf16x2 t, t, bias, nz;
+fma.rn.bf16x2 $2, t, s01, nz;
+prmt.b32 hi, h, 0, 0x4342;
+shl.b32 t, hi, 6;
+shl.b32 u, hi, 12;
+lop3.b32 t, t, u, msk, 0xA8;
+fma.rn.bf16x2 t, t, bias, nz;
+fma.rn.bf16x2 $3, t, s23, nz;
+}
+""")
+
+
+@triton.jit
+def decode_mxfp4_pair_ptx(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr):
+    """``decode_mxfp4_pair`` (bf16, scale bytes in [2, 252]) in inline PTX: same ``(even, odd)``."""
+    sc = tl.reshape(tl.broadcast_to(scale_bytes[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
+    even, odd = tl.inline_asm_elementwise(
+        _DECODE_PTX, constraints="=r,=r,=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=4)
+    return even, odd
+
+
 @triton.jit
 def round_e4m3(v):
     """Round fp32 ``v`` with ``|v| <= 448`` to the nearest E4M3 value, ties to even (as fp32)."""
@@ -84,15 +148,10 @@ def round_e4m3(v):
 
 
 @triton.jit
-def quant_dequant_mxfp8_tile(v, BR: tl.constexpr, BC: tl.constexpr):
-    """MXFP8 quantize-dequantize of an fp32 ``[BR, BC]`` tile per 32 along its columns.
-
-    Bit-exact with ``b12x_ops.mx.quant_dequant_mxfp8``: block scale ``amax * (1/448)`` rounded up
-    to a power of two on its bits, payload ``v * 2^(127 - byte)`` (0 for byte 0 or >= 254) clamped
-    to +-448 and rounded to E4M3, times the power of two.
-    """
-    blocks = tl.reshape(v, (BR, BC // 32, 32))
-    amax = tl.max(tl.abs(blocks), axis=2)
+def mxfp8_block_scale(amax):
+    """The MXFP8 block scale of blocks with absolute maximum ``amax`` (fp32): ``(pow2, inv)``, the
+    scale ``amax * (1/448)`` rounded up to a power of two on its bits, and the payload multiplier
+    ``2^(127 - byte)`` (0 for byte 0 or >= 254)."""
     scale = amax * 0.002232142857142857  # fp32(1/448)
     bits = scale.to(tl.int32, bitcast=True)
     up = tl.where((bits & 0x7FFFFF) != 0, (bits + 0x800000) & 0x7F800000, bits)
@@ -100,9 +159,24 @@ def quant_dequant_mxfp8_tile(v, BR: tl.constexpr, BC: tl.constexpr):
     pow2 = up.to(tl.float32, bitcast=True)
     inv = (tl.maximum(254 - byte, 0) << 23).to(tl.float32, bitcast=True)
     inv = tl.where(byte == 0, 0.0, inv)
-    payload = blocks * inv[:, :, None]
-    payload = tl.minimum(tl.maximum(payload, -448.0), 448.0)
-    out = round_e4m3(payload) * pow2[:, :, None]
+    return pow2, inv
+
+
+@triton.jit
+def mxfp8_apply(v, pow2, inv):
+    """MXFP8 quantize-dequantize of fp32 ``v`` with its block's ``(pow2, inv)`` (broadcast)."""
+    payload = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
+    return round_e4m3(payload) * pow2
+
+
+@triton.jit
+def quant_dequant_mxfp8_tile(v, BR: tl.constexpr, BC: tl.constexpr):
+    """MXFP8 quantize-dequantize of an fp32 ``[BR, BC]`` tile per 32 along its columns.
+
+    Bit-exact with ``b12x_ops.mx.quant_dequant_mxfp8`` (see ``mxfp8_block_scale``)."""
+    blocks = tl.reshape(v, (BR, BC // 32, 32))
+    pow2, inv = mxfp8_block_scale(tl.max(tl.abs(blocks), axis=2))
+    out = mxfp8_apply(blocks, pow2[:, :, None], inv[:, :, None])
     return tl.reshape(out, (BR, BC))
 
 

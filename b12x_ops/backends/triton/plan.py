@@ -71,11 +71,13 @@ _REGIMES = (
     (128, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (64, (64, 64, 8, 3), (128, 64, 8, 3))]),
     (1 << 30, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (128, (64, 64, 8, 3), (128, 64, 8, 3))]),
 )
+# Chosen on the H200 by benchmarks/sweep_blocked.py (whole op, 3 layers, gpt-oss/DSv4/Qwen3 at
+# M = 64, 512, 8192): a block of about 1.5-2x the rows per expert, the smaller GEMM1 K step.
 _REGIMES_T = (
-    (16, [(16, (64, 128, 4, 3), (64, 128, 4, 3)), (16, (128, 128, 8, 3), (128, 128, 8, 3))]),
-    (48, [(32, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (128, 64, 8, 3), (128, 128, 8, 3))]),
-    (128, [(64, (64, 128, 4, 3), (128, 128, 8, 3)), (64, (128, 64, 8, 3), (128, 64, 4, 3))]),
-    (1 << 30, [(128, (64, 128, 8, 3), (128, 128, 8, 3)), (64, (128, 64, 8, 3), (128, 64, 4, 3))]),
+    (4, [(16, (64, 64, 4, 4), (128, 64, 4, 3)), (16, (64, 128, 4, 3), (64, 128, 4, 3))]),
+    (20, [(32, (64, 64, 4, 4), (128, 64, 4, 3)), (16, (64, 128, 4, 3), (64, 128, 4, 3))]),
+    (64, [(64, (64, 64, 4, 4), (128, 64, 4, 3)), (32, (64, 128, 4, 3), (64, 128, 4, 3))]),
+    (1 << 30, [(128, (64, 64, 4, 4), (64, 128, 4, 3)), (64, (64, 128, 4, 3), (128, 64, 4, 3))]),
 )
 
 
@@ -119,7 +121,7 @@ def use_gemv(tokens: int, geometry, mode=None) -> bool:
 
 def gemv_config(tokens: int, geometry, i: int = 0) -> Config:
     g1, g2 = _GEMV[i]
-    return Config(1, *g1, *g2, _atomic(tokens, geometry), gemv=True)
+    return Config(1, *g1, *g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
 def default_config(tokens: int, geometry, gemv=None, swap=None) -> Config:
@@ -139,7 +141,7 @@ def candidate_configs(tokens: int, geometry, gemv=None, swap=None) -> list[Confi
     if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
         for g1, _ in _GEMV:
             for _, g2 in _GEMV:
-                out.append(Config(1, *g1, *g2, _atomic(tokens, geometry), gemv=True))
+                out.append(Config(1, *g1, *g2, False, gemv=True))
     if gemv is True:
         return out
     for sw in (True, False) if swap is None else (swap,):
@@ -235,10 +237,12 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool, gemv=None, swap=None):
+    def __init__(self, geometry, fast_scales: bool, gemv=None, swap=None, ptx=None):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
         self.swap = swap  # the transposed blocked GEMMs: None (default: yes), True, False
+        # the transposed GEMMs decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
+        self.ptx = bool(fast_scales and not INTERPRET and ptx is not False)
         # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
         self.fast_scales = fast_scales
         self.configs: dict[int, Config] = {}
@@ -259,13 +263,18 @@ class GeometryPlans:
         return cap, self.configs[cap]
 
     # ---- prepare
-    def stages(self, cfg: Config) -> tuple[Launch, Launch, Launch, Launch]:
-        """The (prologue, gemm1, gemm2, finalize) launches of ``cfg``: one dict lookup a call, the
-        key building of ``launch`` done once per config."""
+    def stages(self, cfg: Config) -> tuple:
+        """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` (the GEMV path: (None, gemv1,
+        gemv2, None)): one dict lookup a call, the key building of ``launch`` done once per config."""
         hit = self._stages.get(cfg)
         if hit is None:
-            hit = self._stages[cfg] = tuple(self.launch(k, cfg) for k in ("prologue", "gemm1", "gemm2", "finalize"))
+            hit = self._stages[cfg] = tuple(self.launch(k, cfg) if k in self.kinds(cfg) else None
+                                            for k in ("prologue", "gemm1", "gemm2", "finalize"))
         return hit
+
+    @staticmethod
+    def kinds(cfg: Config) -> tuple[str, ...]:
+        return ("gemm1", "gemm2") if cfg.gemv else ("prologue", "gemm1", "gemm2", "finalize")
 
     def launch(self, kind: str, cfg: Config | None) -> Launch:
         g = self.geometry
@@ -274,7 +283,7 @@ class GeometryPlans:
         elif kind == "gemm1" and cfg.gemv:
             key = ("gemv1", cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
         elif kind == "gemm2" and cfg.gemv:
-            key = ("gemv2", cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
+            key = ("gemv2", cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1, cfg.swap)
         elif kind == "gemm2":
@@ -292,24 +301,27 @@ class GeometryPlans:
                                                  SPLIT=cfg.swap),
                         p["warps"], 1)
         elif kind == "gemm1" and cfg.gemv:
-            ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+            ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
+                                              UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
                                               BN=cfg.bn1, BK=cfg.bk1),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2" and cfg.gemv:
-            ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales,
-                                              ATOMIC=cfg.atomic, BN=cfg.bn2, BK=cfg.bk2),
+            ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
+                                              HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2),
                         cfg.warps2, cfg.stages2)
         elif kind == "gemm1":
-            ln = Launch(K_.gemm1t_kernel if cfg.swap else K_.gemm1_kernel, dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
-                                              HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                              BM=cfg.bm, BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype,
-                                              FAST=self.fast_scales),
+            ln = Launch(K_.gemm1t_kernel if cfg.swap else K_.gemm1_kernel,
+                        dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+                             HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
+                             BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales,
+                             **({"PTX": self.ptx} if cfg.swap else {})),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
-            ln = Launch(K_.gemm2t_kernel if cfg.swap else K_.gemm2_kernel, dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales,
-                                              ATOMIC=cfg.atomic, BM=cfg.bm, BN=cfg.bn2, BK=cfg.bk2,
-                                              DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales),
+            ln = Launch(K_.gemm2t_kernel if cfg.swap else K_.gemm2_kernel,
+                        dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
+                             BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales,
+                             **({"PTX": self.ptx} if cfg.swap else {})),
                         cfg.warps2, cfg.stages2)
         else:
             f = FINALIZE
@@ -319,10 +331,17 @@ class GeometryPlans:
 
     def reserve(self, cap: int, cfg: Config) -> None:
         g = self.geometry
+        a = self.arena
+        for name, dt in (("xq", self.act_dtype), ("lid", torch.int32), ("wts", torch.float32), ("sorted", torch.int32),
+                         ("blk_expert", torch.int32), ("blk_rows", torch.int32), ("cursor", torch.int32),
+                         ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32)):
+            a.need(name, 1, dt)
+        if cfg.gemv:  # one activation row a slot, nothing else
+            a.need("act", cap * g.top_k * g.intermediate_size, self.act_dtype)
+            return
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k
         nb = K_.num_blocks(S, g.num_experts, cfg.bm)
-        a = self.arena
         a.need("xq", tokens * g.hidden_size, self.act_dtype)
         a.need("lid", S, torch.int32)
         a.need("wts", S, torch.float32)
@@ -335,14 +354,12 @@ class GeometryPlans:
             a.need("acc", tokens * g.hidden_size, torch.float32)
         else:
             a.need("slots", S * g.hidden_size, torch.float32)
-        a.need("acc", 1, torch.float32)
-        a.need("slots", 1, torch.float32)
 
     def add(self, cap: int, cfg: Config) -> None:
         self.configs[cap] = cfg
         self.caps = sorted(self.configs)
         self.reserve(cap, cfg)
-        for kind in ("prologue", "gemm1", "gemm2", "finalize"):
+        for kind in self.kinds(cfg):
             self.launch(kind, cfg)
 
 
@@ -351,11 +368,11 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str, gemv=None, swap=None) -> str:
+def cache_path(geometry, directory: str, gemv=None, swap=None, ptx=False) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 3, gemv, swap])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 3, gemv, swap, ptx])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
