@@ -320,7 +320,7 @@ def gemv_compare(args, log, bw=4.27e12):
     """GEMV path (gemv=True) against the blocked path (gemv=False) per geometry and M: CUDA-graph
     replay over ``--layers`` layers' handles, the HBM limit at ``bw`` bytes/s (distinct experts'
     weights and scales), and each path's error against the reference on layer 0; with
-    ``--gemv-sweep M..`` also the whole op per GEMV tile candidate at those M. The markdown table
+    ``--gemv-sweep M..`` also the whole op per pair of GEMV tile candidates at those M. The markdown table
     is rewritten to ``<out>/gemv_compare.md`` after every geometry (a run cut short keeps it)."""
     from b12x_ops.backends.triton import plan as P
 
@@ -380,7 +380,7 @@ def gemv_compare(args, log, bw=4.27e12):
             gp = handles[True][0]._state.plans
             for M in args.gemv_sweep:
                 cap, base = gp.plan_for(M)
-                for g1, g2 in P._GEMV:
+                for g1, g2 in [(g1, g2) for g1, _ in P._GEMV for _, g2 in P._GEMV]:
                     cfg = P.Config(1, *g1, *g2, base.atomic, gemv=True)
                     gp.add(cap, cfg)
                     try:

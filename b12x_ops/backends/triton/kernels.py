@@ -489,6 +489,40 @@ def gemm2t_kernel(
 # int32 words (16-byte vectors), decode two nibbles at a time through fp16 bits to fp32 (times
 # 2^-14) and multiply the activations elementwise; the products are summed per 32-element block
 # first, so the E8M0 scale (and 2^14) is one multiply per 32 elements.
+@triton.jit
+def _split8(v):
+    """``v[..., r]`` for r = 0..7 of a ``[NB, 4, 8]`` tile (8 consecutive elements per code word),
+    as eight ``[NB, 4]`` tiles: the activations a word's nibbles t and t + 4 meet. The 8 values sit
+    in one thread after a vector load, so the splits cost no data movement."""
+    NB: tl.constexpr = v.shape[0]
+    a, b = tl.split(tl.reshape(v, (NB, 4, 2, 2, 2)))  # element r = 4 hb + 2 t1 + t0: split t0
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    x0, x4 = tl.split(a0)
+    x2, x6 = tl.split(a1)
+    x1, x5 = tl.split(b0)
+    x3, x7 = tl.split(b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _fma_word_pairs(p, words, x0, x1, x2, x3, x4, x5, x6, x7):
+    """``p + sum over the 8 nibbles of words * x`` (per word), the weights in units of 2^-14."""
+    wa, wb = e2m1_nibble_pair_f32_2m14(words, 0)
+    p = p + wa * x0[None, :, :]
+    p = p + wb * x4[None, :, :]
+    wa, wb = e2m1_nibble_pair_f32_2m14(words, 1)
+    p = p + wa * x1[None, :, :]
+    p = p + wb * x5[None, :, :]
+    wa, wb = e2m1_nibble_pair_f32_2m14(words, 2)
+    p = p + wa * x2[None, :, :]
+    p = p + wb * x6[None, :, :]
+    wa, wb = e2m1_nibble_pair_f32_2m14(words, 3)
+    p = p + wa * x3[None, :, :]
+    p = p + wb * x7[None, :, :]
+    return p
+
+
 @_jit(dns=("S", "stride_xm", "stride_im", "stride_ik", "expert_offset", "x_fp16"), dnsa=("x_ptr", "ids_ptr"))
 def gemv1_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
@@ -524,7 +558,7 @@ def gemv1_kernel(
     q = tl.arange(0, 4)  # word within the block
     word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
     x_row = x_ptr + m.to(tl.int64) * stride_xm
-    blk = tl.arange(0, 32)
+    r8 = tl.arange(0, 8)
     acc_u = tl.zeros((BN, NB), dtype=tl.float32)
     acc_g = tl.zeros((BN, NB), dtype=tl.float32)
     up_w = w_e + up_rows[:, None, None] * KW + word_off[None, :, :]
@@ -548,24 +582,15 @@ def gemv1_kernel(
         cg_next = tl.load(gate_w + (k0 + BK) // 8, mask=wm, other=0)
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
-        # the MXFP8 block scales of this chunk of x (the row is quantized on the fly)
-        raw = tl.load(x_row + k0 + j[:, None] * 32 + blk[None, :], mask=bvalid[:, None], other=0)
-        pow2, inv = mxfp8_block_scale(tl.max(tl.abs(half_bits_to_f32(raw, x_fp16)), axis=1))
-        pow2 = pow2[:, None]
-        inv = inv[:, None]
-        pu = tl.zeros((BN, NB, 4), dtype=tl.float32)
-        pg = tl.zeros((BN, NB, 4), dtype=tl.float32)
-        for t in tl.static_range(4):  # elements 8q + t and 8q + t + 4 of each word q: nibbles t, t + 4
-            ra = tl.load(x_row + k0 + 8 * word_off + t, mask=bvalid[:, None], other=0)
-            rb = tl.load(x_row + k0 + 8 * word_off + t + 4, mask=bvalid[:, None], other=0)
-            xa = mxfp8_apply(half_bits_to_f32(ra, x_fp16), pow2, inv)[None, :, :]
-            xb = mxfp8_apply(half_bits_to_f32(rb, x_fp16), pow2, inv)[None, :, :]
-            ua, ub = e2m1_nibble_pair_f32_2m14(cu, t)
-            pu = pu + ua * xa
-            pu = pu + ub * xb
-            ga, gb = e2m1_nibble_pair_f32_2m14(cg, t)
-            pg = pg + ga * xa
-            pg = pg + gb * xb
+        # this chunk of x, quantized to MXFP8 on the fly: one vector load of 8 values a code word,
+        # then split into the 8 tiles the nibbles meet (x is shared by the program's BN rows)
+        raw = tl.load(x_row + k0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None], other=0)
+        xv = half_bits_to_f32(raw, x_fp16)
+        pow2, inv = mxfp8_block_scale(tl.max(tl.max(tl.abs(xv), axis=2), axis=1))
+        xv = mxfp8_apply(xv, pow2[:, None, None], inv[:, None, None])
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
+        pu = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), cu, x0, x1, x2, x3, x4, x5, x6, x7)
+        pg = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), cg, x0, x1, x2, x3, x4, x5, x6, x7)
         acc_u += (tl.sum(pu, axis=2) * 16384.0) * e8m0_f32(su)
         acc_g += (tl.sum(pg, axis=2) * 16384.0) * e8m0_f32(sg)
         cu, cg, su, sg = cu_next, cg_next, su_next, sg_next
@@ -592,6 +617,7 @@ def _gemv2_slot(a_row, w_e, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constex
     j = tl.arange(0, NB)
     q = tl.arange(0, 4)
     word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
+    r8 = tl.arange(0, 8)
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     row_w = w_e + offs_o[:, None, None] * NW + word_off[None, :, :]
     row_s = s_e + offs_o[:, None] * NS + j[None, :]
@@ -604,13 +630,10 @@ def _gemv2_slot(a_row, w_e, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constex
         bnext = (n0 // 32 + NB + j) < NS
         c_next = tl.load(row_w + (n0 + BK) // 8, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
         sc_next = tl.load(row_s + (n0 + BK) // 32, mask=ovalid[:, None] & bnext[None, :], other=0)
-        p = tl.zeros((BN, NB, 4), dtype=tl.float32)
-        for t in tl.static_range(4):  # nibbles t and t + 4 of each word: elements 8q + t, 8q + t + 4
-            aa = tl.load(a_row + n0 + 8 * word_off + t, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
-            ab = tl.load(a_row + n0 + 8 * word_off + t + 4, mask=bvalid[:, None], other=0.0).to(tl.float32)[None, :, :]
-            wa, wb = e2m1_nibble_pair_f32_2m14(c, t)
-            p = p + wa * aa
-            p = p + wb * ab
+        av = tl.load(a_row + n0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None],
+                     other=0.0).to(tl.float32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _split8(av)
+        p = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), c, a0, a1, a2, a3, a4, a5, a6, a7)
         acc += (tl.sum(p, axis=2) * 16384.0) * e8m0_f32(sc)
         c, sc = c_next, sc_next
     return tl.sum(acc, axis=1)
