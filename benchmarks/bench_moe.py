@@ -106,6 +106,27 @@ def routing(M, E, top_k, device, seed):
     return logits, ids.to(torch.int32), torch.softmax(vals, dim=1)
 
 
+def log_host_profile(call, log, n=200):
+    """Where an eager call's host time goes: cProfile over ``n`` calls, the top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    log(f"  host profile of {n} eager calls (cProfile adds its own cost per Python call):")
+    for line in buf.getvalue().splitlines():
+        if line.strip() and ("/" in line or "{" in line or "ncalls" in line):
+            log("    " + line.strip()[:160])
+
+
 def bench_geometry(name, geo, args, bw, peak, log):
     E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
     L = args.layers
@@ -166,6 +187,8 @@ def bench_geometry(name, geo, args, bw, peak, log):
                 b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
             hosts.append((time.perf_counter() - t) / 10)
         host = sorted(hosts)[2]
+        if args.diagnose and M == min(args.sizes):
+            log_host_profile(lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0), log)
         single = graph_time([lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)], args.reps)
         p = dict(M=M, ours_us=ours * 1e6, limit_us=limit_s * 1e6, hbm_limit_us=t_hbm * 1e6, flop_limit_us=t_flop * 1e6,
                  bytes=nbytes, flops=flops, distinct_experts=distinct, rel_err_vs_ref=err,
@@ -380,7 +403,7 @@ def gemv_compare(args, log, bw=4.27e12):
             gp = handles[True][0]._state.plans
             for M in args.gemv_sweep:
                 cap, base = gp.plan_for(M)
-                for g1, g2 in [(g1, g2) for g1, _ in P._GEMV for _, g2 in P._GEMV]:
+                for g1, g2 in [(g1, g2) for g1 in P._GEMV1 for g2 in P._GEMV2]:
                     cfg = P.Config(1, *g1, *g2, base.atomic, gemv=True)
                     gp.add(cap, cfg)
                     try:
@@ -438,7 +461,7 @@ def main(argv=None):
         res["geometries"].append(bench_geometry(name, GEOMETRIES[name], args, bw, peak, log))
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(res, f, indent=1)
-    write_markdown(res, os.path.join(args.out, "results.md"))
+        write_markdown(res, os.path.join(args.out, "results.md"))  # (a run cut short keeps its table)
     try:
         plot(res, os.path.join(args.out, "results.png"))
     except Exception as exc:  # noqa: BLE001

@@ -347,7 +347,9 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
 # the expert block's rows (as few as 16) as its N side. The decoded weights are the MMA's first
 # operand, which Hopper can take from registers, so they need no trip through shared memory; the
 # activations (split layout, see ``split_col``) are the second. Same arguments, grids and buffers
-# as gemm1/gemm2, except that ``xq`` and ``act`` are in the split layout.
+# as gemm1/gemm2, except that ``xq`` and ``act`` are in the split layout and that programs run
+# block-major (a block's N tiles side by side), so that at large M a block's activation rows are
+# read from HBM once, not once per N tile.
 @_jit(dns=("nblocks",))
 def gemm1t_kernel(
     xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
@@ -358,8 +360,9 @@ def gemm1t_kernel(
     PTX: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    pid_m = pid % nblocks
-    pid_n = pid // nblocks
+    NT: tl.constexpr = (N + BN - 1) // BN
+    pid_m = pid // NT  # block-major: a block's tiles run together and share its rows in L2
+    pid_n = pid % NT
     e = tl.load(blk_expert_ptr + pid_m)
     if e < 0:
         return
@@ -433,8 +436,9 @@ def gemm2t_kernel(
 ):
     """As ``gemm2_kernel`` with the operands swapped: a ``[BN outputs, BM rows]`` tile."""
     pid = tl.program_id(0)
-    pid_m = pid % nblocks
-    pid_n = pid // nblocks
+    NT: tl.constexpr = (K + BN - 1) // BN
+    pid_m = pid // NT  # block-major, as gemm1t
+    pid_n = pid % NT
     e = tl.load(blk_expert_ptr + pid_m)
     if e < 0:
         return

@@ -72,12 +72,13 @@ _REGIMES = (
     (1 << 30, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (128, (64, 64, 8, 3), (128, 64, 8, 3))]),
 )
 # Chosen on the H200 by benchmarks/sweep_blocked.py (whole op, 3 layers, gpt-oss/DSv4/Qwen3 at
-# M = 64, 512, 8192): a block of about 1.5-2x the rows per expert, the smaller GEMM1 K step.
+# M = 64, 512, 8192, inline-PTX decode; results/sweep_blocked.md): a block of 1.5-2x the rows
+# per expert, 64 weight rows a program for GEMM1 (x2: up and gate) and 128 for GEMM2.
 _REGIMES_T = (
-    (4, [(16, (64, 64, 4, 4), (128, 64, 4, 3)), (16, (64, 128, 4, 3), (64, 128, 4, 3))]),
-    (20, [(32, (64, 64, 4, 4), (128, 64, 4, 3)), (16, (64, 128, 4, 3), (64, 128, 4, 3))]),
-    (64, [(64, (64, 64, 4, 4), (128, 64, 4, 3)), (32, (64, 128, 4, 3), (64, 128, 4, 3))]),
-    (1 << 30, [(128, (64, 64, 4, 4), (64, 128, 4, 3)), (64, (64, 128, 4, 3), (128, 64, 4, 3))]),
+    (8, [(16, (64, 128, 4, 3), (128, 64, 4, 3)), (32, (64, 64, 4, 4), (64, 128, 4, 3))]),
+    (24, [(32, (64, 128, 4, 3), (128, 64, 4, 3)), (16, (64, 64, 4, 4), (64, 128, 4, 3))]),
+    (64, [(64, (64, 128, 4, 3), (128, 64, 4, 3)), (32, (128, 64, 8, 3), (64, 128, 4, 3))]),
+    (1 << 30, [(128, (64, 128, 4, 3), (128, 64, 4, 3)), (64, (128, 64, 8, 3), (64, 128, 4, 3))]),
 )
 
 
@@ -96,31 +97,34 @@ def _atomic(tokens: int, geometry) -> bool:
     return not geometry.deterministic and tokens * geometry.top_k > 256
 
 
-# The GEMV path is the default up to this many routed slots (tokens * top_k) a call: there nearly
-# every expert block of the blocked path has one row, so its tensor-core tiles are 15/16 padding.
+# The GEMV path is the default up to this many routed slots (tokens * top_k) and tokens a call:
+# below that, the blocked path's tensor-core tiles are mostly padding; above, its decode shared by
+# a block's rows wins (measured on the H200: results/gemv_compare.md).
 GEMV_MAX_SLOTS = 64
+GEMV_MAX_TOKENS = 8
 # GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 32; bk: K step, a multiple of
-# 32; warps; stages), gemv2 (bn: K outputs; bk: N step) -- the default first, then alternatives.
-# At small M there are few programs (slots x tiles), so each must keep many bytes in flight: the
-# default reads 16 KB (gemv1) / 8 KB (gemv2) a step, double-buffered. (The loops have no tl.dot;
-# stages stay 1.)
-_GEMV = (
-    ((32, 512, 8, 1), (8, 1024, 4, 1)),
-    ((32, 256, 4, 1), (16, 1024, 4, 1)),
-    ((64, 256, 8, 1), (8, 512, 4, 1)),
-    ((32, 1024, 8, 1), (16, 512, 4, 1)),
-)
+# 32; warps; stages), gemv2 (bn: K outputs; bk: N step). At small M there are few programs (slots
+# x tiles), so each must keep many bytes in flight (double-buffered loads of 16-32 KB a step);
+# with fewer than ~1.5 programs an SM the larger step wins. (No tl.dot: stages stay 1.)
+_GEMV1 = ((32, 256, 4, 1), (32, 1024, 8, 1), (64, 256, 8, 1), (32, 512, 8, 1))
+_GEMV2 = ((8, 1024, 4, 1), (16, 1024, 4, 1), (8, 512, 4, 1), (16, 512, 4, 1))
+_FEW_PROGRAMS = 200
 
 
 def use_gemv(tokens: int, geometry, mode=None) -> bool:
     """Whether the GEMV path serves ``tokens``: ``mode`` True/False forces it, None decides by size."""
     if mode is not None:
         return bool(mode)
-    return tokens * geometry.top_k <= GEMV_MAX_SLOTS
+    return tokens * geometry.top_k <= GEMV_MAX_SLOTS and tokens <= GEMV_MAX_TOKENS
 
 
-def gemv_config(tokens: int, geometry, i: int = 0) -> Config:
-    g1, g2 = _GEMV[i]
+def gemv_config(tokens: int, geometry) -> Config:
+    """The default GEMV tiles: the larger K step where a kernel has few programs."""
+    g = geometry
+    few1 = tokens * g.top_k * -(-g.intermediate_size // 32) < _FEW_PROGRAMS
+    few2 = tokens * -(-g.hidden_size // 16) < _FEW_PROGRAMS
+    g1 = _GEMV1[1] if few1 else _GEMV1[0]
+    g2 = _GEMV2[0] if few2 else _GEMV2[1]
     return Config(1, *g1, *g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
@@ -139,8 +143,8 @@ def candidate_configs(tokens: int, geometry, gemv=None, swap=None) -> list[Confi
     the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced."""
     out = []
     if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
-        for g1, _ in _GEMV:
-            for _, g2 in _GEMV:
+        for g1 in _GEMV1:
+            for g2 in _GEMV2:
                 out.append(Config(1, *g1, *g2, False, gemv=True))
     if gemv is True:
         return out
@@ -166,12 +170,14 @@ class Launch:
         self.compiled = None
         self.frozen = False
         names = fn.arg_names
-        self._cx_pos = sorted((names.index(k), v) for k, v in constexprs.items())
+        # the full argument list (constexprs in place) as a template; a call fills the other slots
+        self._template = [constexprs.get(n) for n in names]
+        self._arg_pos = [i for i, n in enumerate(names) if n not in constexprs]
 
     def _full_args(self, args):
-        full = list(args)
-        for pos, v in self._cx_pos:
-            full.insert(pos, v)
+        full = self._template.copy()
+        for i, a in zip(self._arg_pos, args):
+            full[i] = a
         return full
 
     def __call__(self, grid, *args):
@@ -184,14 +190,14 @@ class Launch:
             ck = self.fn[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
             if not INTERPRET:
                 self.compiled = ck
-                self._full = None
+                self._run, self._function, self._packed = ck.run, ck.function, ck.packed_metadata
             return
         full = self._full_args(args)
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
         g = tuple(grid) + (1,) * (3 - len(grid))
         enter, leave = _hooks()
         md = ck.launch_metadata(g, stream, *full) if enter is not None else None
-        ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, md, enter, leave, *full)
+        self._run(g[0], g[1], g[2], stream, self._function, self._packed, md, enter, leave, *full)
 
 
 def _active(hook):
@@ -372,7 +378,7 @@ def cache_path(geometry, directory: str, gemv=None, swap=None, ptx=False) -> str
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 3, gemv, swap, ptx])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 4, gemv, swap, ptx])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
