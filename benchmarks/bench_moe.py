@@ -223,8 +223,9 @@ def bench_geometry(name, geo, args, bw, peak, log):
 
 
 def diagnose(handles, args, E, K, top_k, log):
-    """Per-stage times (one layer, CUDA events) and each stage kernel's registers, spills, shared
-    memory and grid, for the diagnosis of misses."""
+    """Per-stage times (one layer, each stage alone replayed from a CUDA graph) and each stage
+    kernel's registers, spills, shared memory and grid, for the diagnosis of misses. The GEMV path
+    has two stages (gemv1, gemv2: reported as gemm1, gemm2)."""
     from b12x_ops.backends.triton import _launch_all
     from b12x_ops.backends.triton.kernels import num_blocks
     from b12x_ops.backends.triton.plan import FINALIZE, PROLOGUE
@@ -239,13 +240,13 @@ def diagnose(handles, args, E, K, top_k, log):
         o = torch.empty_like(x)
         _, cfg = gp.plan_for(M)
         b12x_ops.moe_w4a8_out(x, ids, w, handles[0], o)
-        nb = num_blocks(M * top_k, E, cfg.bm)
+        nb = M * top_k if cfg.gemv else num_blocks(M * top_k, E, cfg.bm)
         grids = {"prologue": 1 + -(-M // PROLOGUE["QR"]), "gemm1": nb * -(-g.intermediate_size // cfg.bn1),
-                 "gemm2": nb * -(-g.hidden_size // cfg.bn2),
+                 "gemm2": (M if cfg.gemv else nb) * -(-g.hidden_size // cfg.bn2),
                  "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"])}
         stages = {}
-        for s_ in ("prologue", "gemm1", "gemm2", "finalize"):
-            t = time_events(lambda: _launch_all(st, cfg, x, ids, w, o, stages=(s_,)), 10) * 1e6
+        for s_ in gp.kinds(cfg):
+            t = graph_time([lambda s_=s_: _launch_all(st, cfg, x, ids, w, o, stages=(s_,))], 10) * 1e6
             ck = gp.launch(s_, cfg).compiled
             stages[s_] = dict(us=t, programs=grids[s_], regs=getattr(ck, "n_regs", None),
                               spills=getattr(ck, "n_spills", None), shared=getattr(ck.metadata, "shared", None),
@@ -282,13 +283,17 @@ def write_markdown(res, path):
                 f"{p['eager_us']:.1f} | {p['eager_overhead_us']:.1f} | {p['host_us']:.1f} | {err} |")
         lines.append("")
         if g.get("diagnosis"):
-            lines += ["Per-stage times of one layer (us), with grid (programs), registers/thread and spills:", "",
+            lines += ["Per-stage times of one layer (us; each stage alone, CUDA-graph replay), with grid (programs), "
+                      "registers/thread and spills. bm: the blocked path's block rows (T: transposed GEMMs); GEMV: "
+                      "the small-M path (gemv1, gemv2 in the gemm columns, no prologue or finalize):", "",
                       "| M | bm | active experts | blocks | prologue | gemm1 | gemm2 | finalize |", "|---|---|---|---|---|---|---|---|"]
             for d in g["diagnosis"]:
                 st = d["stages"]
                 cells = [f"{st[k]['us']:.1f} (grid {st[k]['programs']}, {st[k]['regs']} regs, {st[k]['spills']} spills)"
-                         for k in ("prologue", "gemm1", "gemm2", "finalize")]
-                lines.append(f"| {d['M']} | {d['config']['bm']} | {d['active_experts']} | {d['nblocks']} | " + " | ".join(cells) + " |")
+                         if k in st else "-" for k in ("prologue", "gemm1", "gemm2", "finalize")]
+                c = d["config"]
+                path = "GEMV" if c.get("gemv") else f"{c['bm']}" + (" T" if c.get("swap") else "")
+                lines.append(f"| {d['M']} | {path} | {d['active_experts']} | {d['nblocks']} | " + " | ".join(cells) + " |")
             lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
