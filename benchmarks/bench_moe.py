@@ -292,8 +292,8 @@ def write_markdown(res, path):
                 cells = [f"{st[k]['us']:.1f} (grid {st[k]['programs']}, {st[k]['regs']} regs, {st[k]['spills']} spills)"
                          if k in st else "-" for k in ("prologue", "gemm1", "gemm2", "finalize")]
                 c = d["config"]
-                path = "GEMV" if c.get("gemv") else f"{c['bm']}" + (" T" if c.get("swap") else "")
-                lines.append(f"| {d['M']} | {path} | {d['active_experts']} | {d['nblocks']} | " + " | ".join(cells) + " |")
+                kind = "GEMV" if c.get("gemv") else f"{c['bm']}" + (" T" if c.get("swap") else "")
+                lines.append(f"| {d['M']} | {kind} | {d['active_experts']} | {d['nblocks']} | " + " | ".join(cells) + " |")
             lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))

@@ -258,15 +258,21 @@ def _raw_routing(topk_ids, topk_weights):
     """The caller's routing as raw 32/16-bit views, so one compiled kernel serves every dtype the op
     accepts (int32/int64 ids: the low word of an int64): ``(ids32, (si0, si1), w16, (sw0, sw1),
     w_kind)`` with strides in view elements."""
-    if topk_ids.stride(1) != 1 and topk_ids.dtype == torch.int64:
-        topk_ids = topk_ids.contiguous()
-    ids_mul = 2 if topk_ids.dtype == torch.int64 else 1
-    if topk_weights.dtype == torch.float32 and topk_weights.stride(1) != 1:
-        topk_weights = topk_weights.contiguous()
-    w_mul = 2 if topk_weights.dtype == torch.float32 else 1
-    return (topk_ids.view(torch.int32), (topk_ids.stride(0) * ids_mul, topk_ids.stride(1) * ids_mul),
-            topk_weights.view(torch.int16), (topk_weights.stride(0) * w_mul, topk_weights.stride(1) * w_mul),
-            _W_KIND[topk_weights.dtype])
+    si0, si1 = topk_ids.stride()
+    if topk_ids.dtype == torch.int64:
+        if si1 != 1:
+            topk_ids = topk_ids.contiguous()
+            si0, si1 = topk_ids.stride()
+        ids32, si0, si1 = topk_ids.view(torch.int32), 2 * si0, 2 * si1
+    else:
+        ids32 = topk_ids
+    sw0, sw1 = topk_weights.stride()
+    if topk_weights.dtype == torch.float32:
+        if sw1 != 1:
+            topk_weights = topk_weights.contiguous()
+            sw0, sw1 = topk_weights.stride()
+        sw0, sw1 = 2 * sw0, 2 * sw1
+    return ids32, (si0, si1), topk_weights.view(torch.int16), (sw0, sw1), _W_KIND[topk_weights.dtype]
 
 
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):

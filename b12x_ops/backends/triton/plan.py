@@ -207,11 +207,14 @@ def _active(hook):
     return hook
 
 
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)  # (read once: hooks may change, the object not)
+
+
 def _hooks():
-    k = getattr(triton, "knobs", None)
+    k = _RUNTIME_KNOBS
     if k is None:
         return None, None
-    return _active(k.runtime.launch_enter_hook), _active(k.runtime.launch_exit_hook)
+    return _active(k.launch_enter_hook), _active(k.launch_exit_hook)
 
 
 class Arena:
