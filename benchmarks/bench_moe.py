@@ -284,7 +284,7 @@ def write_markdown(res, path):
         lines.append("")
         if g.get("diagnosis"):
             lines += ["Per-stage times of one layer (us; each stage alone, CUDA-graph replay), with grid (programs), "
-                      "registers/thread and spills. bm: the blocked path's block rows (T: transposed GEMMs); GEMV: "
+                      "registers/thread and spills. bm: the blocked path's block rows; GEMV: "
                       "the small-M path (gemv1, gemv2 in the gemm columns, no prologue or finalize):", "",
                       "| M | bm | active experts | blocks | prologue | gemm1 | gemm2 | finalize |", "|---|---|---|---|---|---|---|---|"]
             for d in g["diagnosis"]:
@@ -292,7 +292,7 @@ def write_markdown(res, path):
                 cells = [f"{st[k]['us']:.1f} (grid {st[k]['programs']}, {st[k]['regs']} regs, {st[k]['spills']} spills)"
                          if k in st else "-" for k in ("prologue", "gemm1", "gemm2", "finalize")]
                 c = d["config"]
-                kind = "GEMV" if c.get("gemv") else f"{c['bm']}" + (" T" if c.get("swap") else "")
+                kind = "GEMV" if c.get("gemv") else f"{c['bm']}"
                 lines.append(f"| {d['M']} | {kind} | {d['active_experts']} | {d['nblocks']} | " + " | ".join(cells) + " |")
             lines.append("")
     with open(path, "w") as f:

@@ -1,13 +1,14 @@
-"""Tile sweep of the blocked path (transposed and row-major GEMMs) on a CUDA GPU.
+"""Tile sweep of the blocked path's GEMMs on a CUDA GPU.
 
     python benchmarks/sweep_blocked.py [--geometries ...] [--sizes ...] [--layers 3] [--budget 300]
 
 For every geometry and M, the whole op (four launches) is timed as CUDA-graph replay over
-``--layers`` layers' handles for each candidate configuration: the row-major and transposed
-defaults, then per block size every GEMM1 tile with the default GEMM2 tile and every GEMM2 tile
-with the best GEMM1 tile. Each configuration's output is checked against the reference first.
-Prints a table per geometry (and writes it to ``--out``); stops cleanly when ``--budget`` seconds
-have passed. This is how the defaults in ``plan._REGIMES_T`` were chosen.
+``--layers`` layers' handles for each candidate configuration: the default (with the inline-PTX
+decode and without it), then per block size every GEMM1 tile with the default GEMM2 tile and
+every GEMM2 tile with the best GEMM1 tile. Each configuration's output is checked against the
+reference first. Prints a table per geometry (and writes it to ``--out``); stops cleanly when
+``--budget`` seconds have passed. This is how the defaults in ``plan._REGIMES`` were chosen
+(``results/sweep_blocked.md`` was made when the row-major GEMMs still existed: its R rows).
 """
 
 from __future__ import annotations
@@ -116,14 +117,13 @@ def main(argv=None):
                 except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
                     t, err, regs = float("inf"), float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}"
                 results[(cfg, tag)] = t
-                tiles = tag + "gemv" if cfg.gemv else tag + (f"{'T' if cfg.swap else 'R'} bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} "
+                tiles = tag + "gemv" if cfg.gemv else tag + (f"bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} "
                                                  f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}")
                 bad = "" if err <= 1e-2 else " WRONG"
                 emit(f"| {M} | {tiles} | {t:.1f} | {err:.1e}{bad} | {regs} |")
                 return t if err <= 1e-2 else float("inf")
 
-            base_t = P.default_config(M, g, gemv=False, swap=True)
-            trial(P.default_config(M, g, gemv=False, swap=False))
+            base_t = P.default_config(M, g, gemv=False)
             if M * top_k <= 2 * P.GEMV_MAX_SLOTS:
                 trial(P.default_config(M, g, gemv=True))
             trial(base_t, hs_np, "(no PTX) ")

@@ -10,10 +10,7 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   program) serves token counts of at most ``plan.GEMV_MAX_SLOTS`` slots (``tokens * top_k``), the
   blocked tensor-core path the rest (the tuner may pick either below the bound); ``True`` uses
   GEMV for every planned count, ``False`` never (benchmarks compare the two this way).
-* ``swap`` (bool or None, default None): the blocked path's GEMMs with the operands swapped
-  (weight rows on the tensor-core MMA's M side, ``gemm1t``/``gemm2t``); the default. ``False``
-  keeps the row-major ``gemm1``/``gemm2`` (the tuner times both when None).
-* ``ptx`` (bool or None, default None): the transposed GEMMs decode MXFP4 with inline PTX
+* ``ptx`` (bool or None, default None): the blocked path's GEMMs decode MXFP4 with inline PTX
   (``mxtl.decode_mxfp4_pair_ptx``) when the checkpoint's scale bytes allow it; ``False`` uses the
   Triton-ops decode (a benchmark and debugging switch).
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
@@ -34,7 +31,7 @@ import weakref
 import torch
 
 NAME = "triton"
-_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "swap", "ptx")
+_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "ptx")
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
@@ -85,19 +82,18 @@ def prepare(spec) -> State:
     tune = bool(spec.options.get("tune", on_gpu)) and on_gpu and not P.INTERPRET
     frozen = bool(spec.options.get("frozen", True))
     gemv = spec.options.get("gemv", None)
-    swap = spec.options.get("swap", None)
     ptx = spec.options.get("ptx", None)
-    for opt, val in (("gemv", gemv), ("swap", swap), ("ptx", ptx)):
+    for opt, val in (("gemv", gemv), ("ptx", ptx)):
         if val is not None and not isinstance(val, bool):
             raise ValueError(f"prepare_experts: backend 'triton' option {opt}: expected None, True or False, got {val!r}")
 
     # Scale bytes in [2, 252] take the integer decode (the scale folded into the exponent); a
     # checkpoint with others gets kernels of its own (the geometry key includes the choice).
     fast = all(int(t.min()) >= 2 and int(t.max()) <= 252 for t in (spec.w13_scale, spec.w2_scale))
-    key = (g, fast, gemv, swap, ptx)
+    key = (g, fast, gemv, ptx)
     shared = _SHARED.get(key)
     if shared is None:
-        shared = P.GeometryPlans(g, fast, gemv, swap, ptx)
+        shared = P.GeometryPlans(g, fast, gemv, ptx)
         _SHARED[key] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 
@@ -150,10 +146,10 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     from . import plan as P
 
     g = state.plans.geometry
-    mode, swap = state.plans.gemv, state.plans.swap
+    mode = state.plans.gemv
     if not tune:
-        return {c: P.default_config(c, g, mode, swap) for c in caps}
-    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, swap, state.plans.ptx)
+        return {c: P.default_config(c, g, mode) for c in caps}
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -162,7 +158,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
         for cap in todo:
             cached[cap] = _tune_one(state, cap)
             c = cached[cap]
-            progress.step(f"{cap} tokens -> {'gemv' if c.gemv else f'bm={c.bm}' + (' swapped' if c.swap else '')}")
+            progress.step(f"{cap} tokens -> {'gemv' if c.gemv else f'bm={c.bm}'}")
         P.save_cache(path, P.load_cache(path) | cached, g)
     return {c: cached[c] for c in caps}
 
@@ -206,10 +202,10 @@ def _tune_one(state, cap):
     g = gp.geometry
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
-    cands = P.candidate_configs(cap, g, gp.gemv, gp.swap)
+    cands = P.candidate_configs(cap, g, gp.gemv)
     best = None
-    for bm, gemv, swap in sorted({(c.bm, c.gemv, c.swap) for c in cands}):
-        group = [c for c in cands if (c.bm, c.gemv, c.swap) == (bm, gemv, swap)]
+    for bm, gemv in sorted({(c.bm, c.gemv) for c in cands}):
+        group = [c for c in cands if (c.bm, c.gemv) == (bm, gemv)]
         gp.reserve(cap, group[0])
         # routing for this block size, once (the GEMV path has none)
         _launch_all(state, group[0], x, ids, w, out, stages=("prologue",))
@@ -231,7 +227,7 @@ def _tune_one(state, cap):
         b2 = min(t2, key=t2.get)
         total = t1[b1] + t2[b2]
         if best is None or total < best[0]:
-            best = (total, P.Config(bm, *b1, *b2, group[0].atomic, gemv=gemv, swap=swap))
+            best = (total, P.Config(bm, *b1, *b2, group[0].atomic, gemv=gemv))
     return best[1]
 
 

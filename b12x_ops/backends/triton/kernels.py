@@ -5,18 +5,19 @@ A call of the blocked (tensor-core) path is four launches with grids derived fro
 
 1. ``prologue``: program 0 routes (local ids, slot weights, a per-expert histogram, expert blocks
    of ``BM`` rows, and the slots scattered into those blocks); every other program quantizes
-   ``QR`` rows of ``x`` to MXFP8 (stored dequantized, exact in bf16) and zeroes their rows of the
-   fp32 accumulator when the reduction uses atomics.
+   ``QR`` rows of ``x`` to MXFP8 (stored dequantized, exact in bf16, in the split column order)
+   and zeroes their rows of the fp32 accumulator when the reduction uses atomics.
 2. ``gemm1``: per (expert block, N tile): ``h = dq8(x) @ W13[e]^T`` with the MXFP4 weights decoded
    in registers, the global scale, SwiGLU (+ limit) and the MXFP8 quant-dequant of the result.
 3. ``gemm2``: per (expert block, K tile): ``y = dq8(a) @ W2[e]^T`` times the global scale and the
    router weight, added into the fp32 accumulator (atomics) or stored per slot (deterministic).
+
+Both GEMMs are computed transposed, ``W[e] tile @ rows^T``: see "Blocked GEMMs" below.
 4. ``finalize``: the accumulator (or the sum of a token's slots, in slot order) rounded once to
    the output dtype.
 
 Padding and foreign slots are routed to no block, so they cost no GEMM work; blocks past the
-batch's real ones exit at their first load. ``gemm1``/``gemm2`` come in two forms: row-major and
-transposed (``gemm1t``/``gemm2t``, the default). The small-M path is two launches, ``gemv1`` and
+batch's real ones exit at their first load. The small-M path is two launches, ``gemv1`` and
 ``gemv2`` (see there).
 """
 
@@ -28,8 +29,8 @@ import triton.language as tl
 
 from ..reference import swiglu as swiglu_torch
 from ...mx import dequantize_mxfp4, quant_dequant_mxfp8
-from .mxtl import (decode_mxfp4_pair, decode_mxfp4_pair_ptx, e2m1_nibble_pair_f32_2m14, e8m0_f32, mxfp8_apply, mxfp8_block_scale,
-                   quant_dequant_mxfp8_tile)
+from .mxtl import (decode_mxfp4_pair, decode_mxfp4_pair_ptx, e2m1_nibble_pair_f32_2m14, e8m0_f32, mxfp8_apply,
+                   mxfp8_block_scale, quant_dequant_mxfp8_tile)
 
 
 def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
@@ -40,7 +41,7 @@ def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
 
 
 # ------------------------------------------------------------------------------- split layout
-# The transposed GEMMs (``gemm1t``/``gemm2t``) read activations in the "split" column order: in
+# The blocked GEMMs read activations in the "split" column order: in
 # every 32 columns, the 16 even elements first, then the 16 odd ones. Byte ``h`` of a 32-element
 # MXFP4 block holds elements ``2h`` and ``2h + 1``, so the activations a chunk of code bytes meets
 # are then two runs of 16 contiguous values (vector loads) instead of two stride-2 gathers.
@@ -109,7 +110,6 @@ def prologue_kernel(
     M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks, w_kind, x_fp16,
     K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
     CH: tl.constexpr, BCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr, ZERO_ACC: tl.constexpr,
-    SPLIT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if pid == 0:
@@ -161,11 +161,7 @@ def prologue_kernel(
             msk = rm[:, None] & (ks < K)[None, :]
             raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0)
             q = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
-            if SPLIT:
-                cols = split_col(ks)
-            else:
-                cols = ks
-            tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=msk)
+            tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + split_col(ks)[None, :], q, mask=msk)
             if ZERO_ACC:
                 tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32), mask=msk)
 
@@ -200,74 +196,7 @@ def route_torch(topk_ids, topk_weights, expert_offset, num_experts, bm):
     return lid32, wts, sorted_slots, blk_expert, blk_rows
 
 
-# ---------------------------------------------------------------------------------------- gemm1
-@_jit(dns=("nblocks",))
-def gemm1_kernel(
-    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
-    nblocks, limit,
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_m = pid % nblocks
-    pid_n = pid // nblocks
-    e = tl.load(blk_expert_ptr + pid_m)
-    if e < 0:
-        return
-    nrows = tl.load(blk_rows_ptr + pid_m)
-    offs_r = tl.arange(0, BM)
-    rvalid = offs_r < nrows
-    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
-    tok = (slot // TOPK).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nvalid = offs_n < N
-    if UP_FIRST:
-        up_rows = offs_n
-        gate_rows = offs_n + N
-    else:
-        up_rows = offs_n + N
-        gate_rows = offs_n
-    KH: tl.constexpr = K // 2
-    KS: tl.constexpr = K // 32
-    BKH: tl.constexpr = BK // 2
-    w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
-    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
-    offs_h = tl.arange(0, BKH)
-    offs_s = tl.arange(0, BK // 32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    x_rows = xq_ptr + tok[:, None] * K
-    for k0 in range(0, K, BK):
-        hmask = (k0 // 2 + offs_h) < KH
-        sm = nvalid[:, None] & ((k0 // 32 + offs_s) < KS)[None, :]
-        xm = rvalid[:, None] & hmask[None, :]
-        xe = tl.load(x_rows + k0 + 2 * offs_h[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
-        xo = tl.load(x_rows + k0 + 1 + 2 * offs_h[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
-        wm = nvalid[:, None] & hmask[None, :]
-        cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
-        ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE, FAST)
-        acc_u = tl.dot(xe, tl.trans(ue), acc_u)
-        acc_u = tl.dot(xo, tl.trans(uo), acc_u)
-        cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
-        ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE, FAST)
-        acc_g = tl.dot(xe, tl.trans(ge), acc_g)
-        acc_g = tl.dot(xo, tl.trans(go), acc_g)
-    if HAS_GS:
-        g = tl.load(gs_ptr + e)
-        acc_u = acc_u * g
-        acc_g = acc_g * g
-    if HAS_LIMIT:
-        acc_g = tl.minimum(acc_g, limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    act = quant_dequant_mxfp8_tile(act, BM, BN)
-    rows = (pid_m * BM + offs_r).to(tl.int64)
-    tl.store(a_ptr + rows[:, None] * N + offs_n[None, :], act, mask=rvalid[:, None] & nvalid[None, :])
-
-
+# ---------------------------------------------------------------------------------------- twins
 def gemm1_torch(xq_rows, w13, w13_scale, e, layout, limit, g13=None):
     """Twin of ``gemm1_kernel`` for one expert: dq8 rows ``[T, K]`` fp32 to ``dq8(a)`` ``[T, N]``."""
     w = dequantize_mxfp4(w13[e], w13_scale[e])
@@ -279,60 +208,6 @@ def gemm1_torch(xq_rows, w13, w13_scale, e, layout, limit, g13=None):
     return quant_dequant_mxfp8(swiglu_torch(gate, up, limit))
 
 
-# ---------------------------------------------------------------------------------------- gemm2
-@_jit(dns=("nblocks",))
-def gemm2_kernel(
-    a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
-    nblocks,
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
-):
-    """``dst`` is the fp32 ``[M, K]`` accumulator (ATOMIC) or the per-slot ``[M * TOPK, K]`` buffer.
-    Here BN tiles the output (K) and BK the reduction (N)."""
-    pid = tl.program_id(0)
-    pid_m = pid % nblocks
-    pid_n = pid // nblocks
-    e = tl.load(blk_expert_ptr + pid_m)
-    if e < 0:
-        return
-    nrows = tl.load(blk_rows_ptr + pid_m)
-    offs_r = tl.arange(0, BM)
-    rvalid = offs_r < nrows
-    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
-    offs_o = pid_n * BN + tl.arange(0, BN)
-    ovalid = offs_o < K
-    NH: tl.constexpr = N // 2
-    NS: tl.constexpr = N // 32
-    BKH: tl.constexpr = BK // 2
-    w_e = w_ptr + e.to(tl.int64) * (K * NH)
-    s_e = s_ptr + e.to(tl.int64) * (K * NS)
-    offs_h = tl.arange(0, BKH)
-    offs_s = tl.arange(0, BK // 32)
-    a_rows = a_ptr + (pid_m * BM + offs_r).to(tl.int64)[:, None] * N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for n0 in range(0, N, BK):
-        hmask = (n0 // 2 + offs_h) < NH
-        am = rvalid[:, None] & hmask[None, :]
-        ae = tl.load(a_rows + n0 + 2 * offs_h[None, :], mask=am, other=0.0).to(DOT_DTYPE)
-        ao = tl.load(a_rows + n0 + 1 + 2 * offs_h[None, :], mask=am, other=0.0).to(DOT_DTYPE)
-        wm = ovalid[:, None] & hmask[None, :]
-        c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=wm, other=0)
-        sm = ovalid[:, None] & ((n0 // 32 + offs_s) < NS)[None, :]
-        s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=sm, other=0)
-        we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
-        acc = tl.dot(ae, tl.trans(we), acc)
-        acc = tl.dot(ao, tl.trans(wo), acc)
-    if HAS_GS:
-        acc = acc * tl.load(gs_ptr + e)
-    acc = acc * tl.load(wts_ptr + slot, mask=rvalid, other=0.0)[:, None]
-    msk = rvalid[:, None] & ovalid[None, :]
-    if ATOMIC:
-        tok = (slot // TOPK).to(tl.int64)
-        tl.atomic_add(dst_ptr + tok[:, None] * K + offs_o[None, :], acc, mask=msk, sem="relaxed")
-    else:
-        tl.store(dst_ptr + slot.to(tl.int64)[:, None] * K + offs_o[None, :], acc, mask=msk)
-
-
 def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
     """Twin of ``gemm2_kernel`` for one expert: weighted ``dq8(a) @ W2[e]^T`` rows, fp32 ``[T, K]``."""
     y = a_rows @ dequantize_mxfp4(w2[e], w2_scale[e]).T
@@ -341,17 +216,16 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
     return y * weights[:, None]
 
 
-# ---------------------------------------------------------------------------- transposed GEMMs
-# The blocked GEMMs with the operands swapped: each program computes ``W[e] tile @ x rows^T``,
-# a ``[BN, BM]`` tile with the weight rows as the MMA's M side (64+ on Hopper's warpgroup MMA) and
-# the expert block's rows (as few as 16) as its N side. The decoded weights are the MMA's first
-# operand, which Hopper can take from registers, so they need no trip through shared memory; the
-# activations (split layout, see ``split_col``) are the second. Same arguments, grids and buffers
-# as gemm1/gemm2, except that ``xq`` and ``act`` are in the split layout and that programs run
-# block-major (a block's N tiles side by side), so that at large M a block's activation rows are
-# read from HBM once, not once per N tile.
+# ------------------------------------------------------------------------------- blocked GEMMs
+# Each program computes ``W[e] tile @ rows^T``: a ``[BN, BM]`` tile with the weight rows on the
+# MMA's M side (64 a warpgroup on Hopper) and the expert block's rows (as few as 16) on its N side.
+# The decoded weights are the MMA's first operand, which Hopper can take from registers; the
+# activations (split layout, see ``split_col``) are the second. Programs run block-major (a
+# block's N tiles side by side), so that at large M a block's activation rows are read from HBM
+# once, not once per N tile. (Measured on the H200 against the row-major form, ``rows @ W^T`` with
+# tiles of rows: 2-6x faster; ``benchmarks/results/sweep_blocked.md``.)
 @_jit(dns=("nblocks",))
-def gemm1t_kernel(
+def gemm1_kernel(
     xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
     nblocks, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
@@ -359,6 +233,8 @@ def gemm1t_kernel(
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
     PTX: tl.constexpr = False,
 ):
+    """Program (expert block, tile of BN columns of up and of gate): ``dq8(silu(gate) * up)`` of the
+    block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX."""
     pid = tl.program_id(0)
     NT: tl.constexpr = (N + BN - 1) // BN
     pid_m = pid // NT  # block-major: a block's tiles run together and share its rows in L2
@@ -427,17 +303,19 @@ def gemm1t_kernel(
 
 
 @_jit(dns=("nblocks",))
-def gemm2t_kernel(
+def gemm2_kernel(
     a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
     nblocks,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
     PTX: tl.constexpr = False,
 ):
-    """As ``gemm2_kernel`` with the operands swapped: a ``[BN outputs, BM rows]`` tile."""
+    """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
+    ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
+    accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic)."""
     pid = tl.program_id(0)
     NT: tl.constexpr = (K + BN - 1) // BN
-    pid_m = pid // NT  # block-major, as gemm1t
+    pid_m = pid // NT  # block-major, as gemm1
     pid_n = pid % NT
     e = tl.load(blk_expert_ptr + pid_m)
     if e < 0:

@@ -52,29 +52,19 @@ class Config:
     # the small-M path: gemv1/gemv2 on the CUDA cores, one slot a program (bm is then 1, and
     # bn1/bk1/warps1/stages1, bn2/bk2/warps2/stages2 are the two GEMV kernels' tiles)
     gemv: bool = False
-    # the transposed blocked GEMMs (gemm1t/gemm2t: weight rows on the MMA's M side, activations
-    # in the split layout); bn1/bn2 are then weight rows a program, bm the block's token rows
-    swap: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
 
 
 # (bm, gemm1 (bn, bk, warps, stages), gemm2 (bn, bk, warps, stages)) by rows per touched expert:
-# the default first, then the alternatives the tuner also times. Dequantization is the ALU cost
-# each expert block pays once per weight element, so bigger blocks amortize it over more rows.
-# _REGIMES: the row-major blocked GEMMs (gemm1/gemm2); _REGIMES_T: the transposed ones
-# (gemm1t/gemm2t, bn = weight rows a program: 64 a warpgroup on Hopper), the default.
+# the default first, then the alternative the tuner also times (it crosses them). bm is the block's
+# token rows, bn the weight rows a program (64 a warpgroup on Hopper; GEMM1 takes bn rows of up and
+# bn of gate). Dequantization is the ALU cost each expert block pays once per weight element, so
+# bigger blocks amortize it over more rows. Chosen on the H200 by benchmarks/sweep_blocked.py
+# (whole op, 3 layers, gpt-oss/DSv4/Qwen3 at M = 64, 512, 8192; results/sweep_blocked.md): a
+# block of 1.5-2x the rows per expert, 64 weight rows a program for GEMM1 and 128 for GEMM2.
 _REGIMES = (
-    (16, [(16, (32, 256, 4, 4), (32, 256, 4, 4)), (16, (16, 256, 4, 4), (64, 128, 4, 3))]),
-    (48, [(32, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (32, 256, 4, 3), (32, 256, 4, 3))]),
-    (128, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (64, (64, 64, 8, 3), (128, 64, 8, 3))]),
-    (1 << 30, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (128, (64, 64, 8, 3), (128, 64, 8, 3))]),
-)
-# Chosen on the H200 by benchmarks/sweep_blocked.py (whole op, 3 layers, gpt-oss/DSv4/Qwen3 at
-# M = 64, 512, 8192, inline-PTX decode; results/sweep_blocked.md): a block of 1.5-2x the rows
-# per expert, 64 weight rows a program for GEMM1 (x2: up and gate) and 128 for GEMM2.
-_REGIMES_T = (
     (8, [(16, (64, 128, 4, 3), (128, 64, 4, 3)), (32, (64, 64, 4, 4), (64, 128, 4, 3))]),
     (24, [(32, (64, 128, 4, 3), (128, 64, 4, 3)), (16, (64, 64, 4, 4), (64, 128, 4, 3))]),
     (64, [(64, (64, 128, 4, 3), (128, 64, 4, 3)), (32, (128, 64, 8, 3), (64, 128, 4, 3))]),
@@ -82,15 +72,14 @@ _REGIMES_T = (
 )
 
 
-def _regime(tokens: int, geometry, swap: bool = True):
+def _regime(tokens: int, geometry):
     g = geometry
     slots = tokens * g.top_k
     rows = slots / max(1, min(g.num_experts, slots))
-    table = _REGIMES_T if swap else _REGIMES
-    for bound, cands in table:
+    for bound, cands in _REGIMES:
         if rows <= bound:
             return cands
-    return table[-1][1]
+    return _REGIMES[-1][1]
 
 
 def _atomic(tokens: int, geometry) -> bool:
@@ -128,17 +117,16 @@ def gemv_config(tokens: int, geometry) -> Config:
     return Config(1, *g1, *g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
-def default_config(tokens: int, geometry, gemv=None, swap=None) -> Config:
+def default_config(tokens: int, geometry, gemv=None) -> Config:
     """A good configuration without tuning: the GEMV path for few slots (``gemv`` None), else by
-    rows per touched expert (the transposed GEMMs unless ``swap`` is False)."""
+    rows per touched expert."""
     if use_gemv(tokens, geometry, gemv):
         return gemv_config(tokens, geometry)
-    sw = swap is not False
-    bm, g1, g2 = _regime(tokens, geometry, sw)[0]
-    return Config(bm, *g1, *g2, _atomic(tokens, geometry), swap=sw)
+    bm, g1, g2 = _regime(tokens, geometry)[0]
+    return Config(bm, *g1, *g2, _atomic(tokens, geometry))
 
 
-def candidate_configs(tokens: int, geometry, gemv=None, swap=None) -> list[Config]:
+def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
     """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately):
     the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced."""
     out = []
@@ -148,14 +136,13 @@ def candidate_configs(tokens: int, geometry, gemv=None, swap=None) -> list[Confi
                 out.append(Config(1, *g1, *g2, False, gemv=True))
     if gemv is True:
         return out
-    for sw in (True, False) if swap is None else (swap,):
-        cands = _regime(tokens, geometry, sw)
-        for bm, _, _ in cands:
-            for _, g1, _ in cands:
-                for _, _, g2 in cands:
-                    c = Config(bm, *g1, *g2, _atomic(tokens, geometry), swap=sw)
-                    if c not in out:
-                        out.append(c)
+    cands = _regime(tokens, geometry)
+    for bm, _, _ in cands:
+        for _, g1, _ in cands:
+            for _, _, g2 in cands:
+                c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
+                if c not in out:
+                    out.append(c)
     return out
 
 
@@ -246,11 +233,10 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool, gemv=None, swap=None, ptx=None):
+    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
-        self.swap = swap  # the transposed blocked GEMMs: None (default: yes), True, False
-        # the transposed GEMMs decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
+        # the blocked GEMMs decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
         self.ptx = bool(fast_scales and not INTERPRET and ptx is not False)
         # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
         self.fast_scales = fast_scales
@@ -288,15 +274,15 @@ class GeometryPlans:
     def launch(self, kind: str, cfg: Config | None) -> Launch:
         g = self.geometry
         if kind == "prologue":
-            key = (kind, cfg.bm, cfg.atomic, cfg.swap)
+            key = (kind, cfg.bm, cfg.atomic)
         elif kind == "gemm1" and cfg.gemv:
             key = ("gemv1", cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2", cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)
         elif kind == "gemm1":
-            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1, cfg.swap)
+            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic, cfg.swap)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
         else:
             key = (kind, cfg.atomic)
         hit = self.launches.get(key)
@@ -306,8 +292,7 @@ class GeometryPlans:
         if kind == "prologue":
             p = PROLOGUE
             ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, CH=p["CH"],
-                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic,
-                                                 SPLIT=cfg.swap),
+                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic),
                         p["warps"], 1)
         elif kind == "gemm1" and cfg.gemv:
             ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
@@ -320,17 +305,17 @@ class GeometryPlans:
                                               HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2),
                         cfg.warps2, cfg.stages2)
         elif kind == "gemm1":
-            ln = Launch(K_.gemm1t_kernel if cfg.swap else K_.gemm1_kernel,
+            ln = Launch(K_.gemm1_kernel,
                         dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                              HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
                              BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales,
-                             **({"PTX": self.ptx} if cfg.swap else {})),
+                             PTX=self.ptx),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
-            ln = Launch(K_.gemm2t_kernel if cfg.swap else K_.gemm2_kernel,
+            ln = Launch(K_.gemm2_kernel,
                         dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                              BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales,
-                             **({"PTX": self.ptx} if cfg.swap else {})),
+                             PTX=self.ptx),
                         cfg.warps2, cfg.stages2)
         else:
             f = FINALIZE
@@ -377,11 +362,11 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str, gemv=None, swap=None, ptx=False) -> str:
+def cache_path(geometry, directory: str, gemv=None, ptx=False) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 4, gemv, swap, ptx])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 5, gemv, ptx])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
