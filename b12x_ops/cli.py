@@ -1,11 +1,12 @@
 """``b12x-ops`` / ``python -m b12x_ops``: what runs here, and a small model end to end.
 
-    b12x-ops info  [--device DEV]
+    b12x-ops info  [--device DEV] [--geometry E,K,N,TOP_K [--max-tokens M]]
     b12x-ops demo  [--device DEV] [--backend NAME] [--tokens M] [--layers L] [--compile-backend B]
     b12x-ops bench
 
 ``info`` prints the versions, the device, and for every backend whether it can run there and if
-not, why; ``auto`` takes the first that can. ``demo`` runs a small MoE model (``models.TinyMoE``)
+not, why; ``auto`` takes the first that can; with ``--geometry`` also the device bytes a layer
+keeps on each backend against the checkpoint's size. ``demo`` runs a small MoE model (``models.TinyMoE``)
 eagerly and under ``torch.compile(fullgraph=True, dynamic=True)``, prints the captured graph (one
 ``b12x`` node per layer) and the errors against eager and against the reference backend; on a CUDA
 device it also captures the eager model in a CUDA graph and replays it.
@@ -92,6 +93,8 @@ def cmd_info(args) -> int:
     import b12x_ops
     from . import _compat
 
+    if args.geometry:
+        _parse_geometry(args.geometry)  # a bad --geometry fails before anything is printed
     device = _resolve_device(args.device)
     from .backends import load
 
@@ -117,7 +120,46 @@ def cmd_info(args) -> int:
         print(f"auto picks: nothing (no backend can run on {device})")
         return 1
     print(f"auto picks: {chosen}")
+    if args.geometry:
+        _print_memory(args, chosen)
     return 0
+
+
+def _parse_geometry(text: str) -> tuple[int, int, int, int]:
+    try:
+        e, k, n, top_k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"b12x-ops info: --geometry: expected E,K,N,TOP_K (four integers), got {text!r}")
+    if min(e, k, n, top_k) < 1 or k % 32 or n % 32 or top_k > e:
+        raise SystemExit(f"b12x-ops info: --geometry: expected E, K, N, TOP_K >= 1 with K and N multiples of 32 "
+                         f"and TOP_K <= E, got {text!r}")
+    return e, k, n, top_k
+
+
+def _print_memory(args, chosen: str) -> None:
+    """Device bytes a layer of ``--geometry`` keeps against its checkpoint's, computed, not allocated."""
+    from .handle import Geometry, plan_capacities
+
+    e, k, n, top_k = _parse_geometry(args.geometry)
+    codes = e * (2 * n * k // 2 + k * n // 2)
+    scales = e * (2 * n * k // 32 + k * n // 32)
+    mib = 2.0 ** -20
+    ckpt = codes + scales
+    print(f"memory per layer (E={e}, K={k}, N={n}, top-{top_k}, MXFP4): checkpoint {ckpt * mib:.1f} MiB "
+          f"(codes {codes * mib:.1f} + scales {scales * mib:.1f})")
+    print(f"  reference  {ckpt * mib:.1f} MiB on the device (the checkpoint's tensors as given)")
+    print(f"  b12x       {ckpt * mib:.1f} MiB on the device (repacked in the checkpoint's own storage) "
+          f"+ b12x's scratch arena, shared by the geometry's layers (sized at prepare)")
+    try:
+        from .backends.triton import scratch_estimate
+        geo = Geometry(e, k, n, top_k, "w13", "silu", None, False, torch.device("cpu"), False)
+        caps = plan_capacities(args.max_tokens, ())
+        scratch = f"{scratch_estimate(geo, caps) * mib:.1f} MiB"
+    except ImportError:
+        scratch = "(triton is not installed)"
+    print(f"  triton     {ckpt * mib:.1f} MiB on the device (the MXFP4 bytes only: no bf16 copy, no repack) "
+          f"+ {scratch} of scratch shared by all layers of the geometry (max_tokens {args.max_tokens})")
+    print(f"  auto ({chosen}) keeps {ckpt * mib:.1f} MiB a layer: 1.00x the checkpoint")
 
 
 # ---------------------------------------------------------------------------------------- demo
@@ -241,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, device, and which backend runs here and why")
     info.add_argument("--device", default=_default_device(), help="default: cuda if present, else cpu")
+    info.add_argument("--geometry", default=None, metavar="E,K,N,TOP_K",
+                      help="also print the device bytes a layer of this geometry keeps against its checkpoint's "
+                           "(e.g. 128,2880,2880,4 for gpt-oss-120b)")
+    info.add_argument("--max-tokens", type=int, default=8192, help="with --geometry: the planned maximum (default 8192)")
     info.set_defaults(func=cmd_info)
 
     demo = sub.add_parser("demo", help="a small MoE model, eager and compiled")

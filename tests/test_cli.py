@@ -69,6 +69,34 @@ def test_info_lists_every_backend_fastest_first(info):
 
 
 # ----------------------------------------------------------------------------------------- demo
+def test_info_reports_bytes_per_layer_for_a_geometry():
+    out = _cli("info", "--device", "cpu", "--geometry", "128,2880,2880,4", "--max-tokens", "4096").stdout
+    E, K, N = 128, 2880, 2880
+    ckpt = E * (2 * N * K // 2 + K * N // 2 + 2 * N * K // 32 + K * N // 32) / 2**20
+    got = float(_field(out, r"^memory per layer \(E=128, K=2880, N=2880, top-4, MXFP4\): checkpoint (\S+) MiB").group(1))
+    assert abs(got - ckpt) < 0.05
+    for backend in ("reference", "b12x", "triton"):
+        assert abs(float(_field(out, rf"^\s+{backend}\s+(\S+) MiB on the device").group(1)) - ckpt) < 0.05
+    pytest.importorskip("triton")
+    from b12x_ops.backends.triton import scratch_estimate
+    from b12x_ops.handle import Geometry, plan_capacities
+    geo = Geometry(E, K, N, 4, "w13", "silu", None, False, torch.device("cpu"), False)
+    want = scratch_estimate(geo, plan_capacities(4096, ())) / 2**20
+    scratch = float(_field(out, r"^\s+triton .* \+ (\S+) MiB of scratch shared by all layers .*max_tokens 4096").group(1))
+    assert abs(scratch - want) < 0.05 and scratch > 0
+    # more tokens planned, more scratch; the bytes a layer keeps do not change
+    assert scratch_estimate(geo, plan_capacities(8192, ())) > scratch_estimate(geo, plan_capacities(4096, ()))
+
+
+@pytest.mark.parametrize("bad", ["128,2880,2880", "128,2880,2881,4", "4,64,64,8", "a,b,c,d"])
+def test_info_rejects_a_bad_geometry_first(bad):
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "b12x_ops", "info", "--device", "cpu", "--geometry", bad], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "--geometry" in proc.stderr and bad in proc.stderr
+    assert proc.stdout == ""  # nothing printed before the error
+
+
 @pytest.fixture(scope="module")
 def demo() -> str:
     return _cli("demo", "--device", "cpu", "--layers", "3", "--tokens", "12").stdout

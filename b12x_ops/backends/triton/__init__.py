@@ -318,6 +318,17 @@ def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
             dst, a["lid"], out.view(torch.int16), m, out.stride(0), int(out.dtype == torch.float16))
 
 
+def scratch_estimate(geometry, capacities, gemv=None) -> int:
+    """Bytes of the scratch arena that handles of ``geometry`` planned for ``capacities`` share,
+    with the default configurations, computed without allocating (``b12x-ops info --geometry``)."""
+    from . import plan as P
+
+    gp = P.GeometryPlans(geometry, True, gemv, dry=True)
+    for cap in capacities:
+        gp.reserve(cap, P.default_config(cap, geometry, gemv))
+    return gp.arena.nbytes()
+
+
 def memory_report(state) -> dict[str, int]:
     held = sum(t.numel() * t.element_size() for t in (state.w13, state.w13_scale, state.w2, state.w2_scale))
     return {

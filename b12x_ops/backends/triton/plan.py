@@ -210,12 +210,18 @@ class Arena:
     Buffers replaced by a larger prepare stay referenced, so CUDA graphs captured earlier keep
     valid pointers (capture after preparing every layer to share one set)."""
 
-    def __init__(self, device):
+    def __init__(self, device, dry: bool = False):
         self.device = device
         self.buffers: dict[str, torch.Tensor] = {}
         self.retired: list[torch.Tensor] = []
+        self.dry = dry  # only size the buffers (memory estimates): nothing is allocated
+        self.sizes: dict[str, int] = {}
 
     def need(self, name: str, numel: int, dtype) -> None:
+        if self.dry:
+            nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
+            self.sizes[name] = max(self.sizes.get(name, 0), nbytes)
+            return
         cur = self.buffers.get(name)
         if cur is not None and cur.numel() >= numel and cur.dtype == dtype:
             return
@@ -227,13 +233,15 @@ class Arena:
         return self.buffers[name]
 
     def nbytes(self) -> int:
+        if self.dry:
+            return sum(self.sizes.values())
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
 
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None):
+    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
         # the blocked GEMMs decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
@@ -244,10 +252,10 @@ class GeometryPlans:
         self.caps: list[int] = []
         self.launches: dict[tuple, Launch] = {}
         self._stages: dict[Config, tuple[Launch, Launch, Launch, Launch]] = {}
-        self.arena = Arena(geometry.device)
+        self.arena = Arena(geometry.device, dry)
         g = geometry
         self.e_pad = triton.next_power_of_2(g.num_experts + 1)
-        self.act_dtype = torch.float32 if INTERPRET else torch.bfloat16
+        self.act_dtype = torch.float32 if INTERPRET and not dry else torch.bfloat16
         self.dot_dtype = tl.float32 if INTERPRET else tl.bfloat16
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
 
