@@ -277,6 +277,46 @@ def test_interp_layer_matches_reference(name, deterministic, gemv):
     assert rel_l2(got, want) <= 1e-2
 
 
+if INNER:
+    from hypothesis import given, settings, strategies as st
+
+    @inner
+    @settings(max_examples=30, deadline=None)
+    @given(
+        E=st.integers(1, 6),
+        K=st.sampled_from([32, 64, 160]),
+        N=st.sampled_from([32, 64, 96]),
+        top_k=st.integers(1, 4),
+        M=st.integers(1, 20),
+        layout=st.sampled_from(["w13", "w31"]),
+        limit=st.sampled_from([None, 0.5, 7.0]),
+        offset=st.sampled_from([0, 3]),
+        padding_rows=st.integers(0, 2),
+        global_scales=st.booleans(),
+        scale_lo=st.sampled_from([1, 118]),  # 1: bytes outside [2, 252] take the exact-multiply decode
+        gemv=st.sampled_from([None, False]),
+        deterministic=st.booleans(),
+        id_dtype=st.sampled_from([torch.int32, torch.int64]),
+        w_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+        seed=st.integers(0, 2**16),
+    )
+    def test_interp_random_layers_match_reference(E, K, N, top_k, M, layout, limit, offset, padding_rows,
+                                                  global_scales, scale_lo, gemv, deterministic, id_dtype, w_dtype,
+                                                  seed):
+        top_k = min(top_k, E)
+        layer = make_layer(E=E, K=K, N=N, top_k=top_k, seed=seed, layout=layout, limit=limit, offset=offset,
+                           global_scales=global_scales, scale_range=(scale_lo, scale_lo + 7))
+        x, ids, w = make_batch(layer, M, seed=seed, id_dtype=id_dtype, w_dtype=w_dtype,
+                               padding_rows=min(padding_rows, M))
+        h = layer.prepare(backend="triton", max_tokens=32, gemv=gemv, deterministic=deterministic)
+        cfg = h._state.plans.plan_for(M)[1]
+        assert cfg.gemv == (gemv is None and P.use_gemv(M, h._state.plans.geometry))
+        got = b12x_ops.moe_w4a8(x, ids, w, h)
+        want = b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))
+        assert got.dtype == x.dtype and torch.isfinite(got).all()
+        assert rel_l2(got, want) <= 1e-2, (cfg, rel_l2(got, want))
+
+
 @inner
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
