@@ -7,9 +7,10 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   else ``~/.cache/b12x_ops``) and reused by later processes. ``False`` uses the built-in defaults.
 * ``cache_dir`` (str): where the tuning cache lives.
 * ``gemv`` (bool or None, default None): the small-M GEMV path (CUDA cores, one routed slot a
-  program) serves token counts of at most ``plan.GEMV_MAX_SLOTS`` slots (``tokens * top_k``), the
-  blocked tensor-core path the rest (the tuner may pick either below the bound); ``True`` uses
-  GEMV for every planned count, ``False`` never (benchmarks compare the two this way).
+  program) serves token counts of at most ``plan.GEMV_MAX_TOKENS`` tokens and
+  ``plan.GEMV_MAX_SLOTS`` slots (``tokens * top_k``), the blocked tensor-core path the rest (the
+  tuner may pick either below the bound); ``True`` uses GEMV for every planned count, ``False``
+  never (benchmarks compare the two this way).
 * ``ptx`` (bool or None, default None): the blocked path's GEMMs decode MXFP4 with inline PTX
   (``mxtl.decode_mxfp4_pair_ptx``) when the checkpoint's scale bytes allow it; ``False`` uses the
   Triton-ops decode (a benchmark and debugging switch).
