@@ -374,8 +374,8 @@ def gemm2_kernel(
 @triton.jit
 def _split8(v):
     """``v[..., r]`` for r = 0..7 of a ``[NB, 4, 8]`` tile (8 consecutive elements per code word),
-    as eight ``[NB, 4]`` tiles: the activations a word's nibbles t and t + 4 meet. The 8 values sit
-    in one thread after a vector load, so the splits cost no data movement."""
+    as eight ``[NB, 4]`` tiles: the activations a word's nibbles t and t + 4 meet. A contiguous
+    last dim of 8 is normally loaded into one thread, where the splits move no data."""
     NB: tl.constexpr = v.shape[0]
     a, b = tl.split(tl.reshape(v, (NB, 4, 2, 2, 2)))  # element r = 4 hb + 2 t1 + t0: split t0
     a0, a1 = tl.split(a)
