@@ -423,6 +423,24 @@ def test_interp_tuner_runs_every_candidate_and_keeps_the_fastest(cap, monkeypatc
 
 
 @inner
+def test_interp_launch_argument_lists_put_constexprs_in_place():
+    # the per-call path appends a kernel's constexprs to the runtime arguments: every stage kernel
+    # must declare them last, in the order of its signature (the launcher takes the full list)
+    layer = make_layer(E=4, K=64, N=64, top_k=2)
+    for gemv in (True, False):
+        gp = layer.prepare(backend="triton", max_tokens=32, gemv=gemv)._state.plans
+        assert gp.launches
+        for ln in gp.launches.values():
+            assert ln._tail is not None, ln.fn.__name__
+            args = tuple(f"arg{i}" for i in range(len(ln._arg_pos)))
+            want = ln._template.copy()
+            for i, a in zip(ln._arg_pos, args):
+                want[i] = a
+            assert list(ln._full_args(args)) == want, ln.fn.__name__
+            assert len(want) == len(ln.fn.arg_names)
+
+
+@inner
 def test_interp_options_are_checked():
     layer = make_layer()
     with pytest.raises(ValueError, match="options"):

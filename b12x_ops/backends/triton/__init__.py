@@ -237,18 +237,21 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
     if m == 0:
         return
     gp = state.plans
-    _, cfg = gp.plan_for(m)
+    rn = gp.runner_for(m)
+    cfg = rn.cfg
     if not cfg.atomic and not cfg.gemv and m > gp.slot_chunk:
         step = gp.slot_chunk
         for s in range(0, m, step):
             e = min(s + step, m)
-            _launch_all(state, cfg, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e])
+            _launch(state, rn, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e], _ALL)
         return
-    _launch_all(state, cfg, x, topk_ids, topk_weights, out)
+    _launch(state, rn, x, topk_ids, topk_weights, out, _ALL)
 
 
 _ALL = ("prologue", "gemm1", "gemm2", "finalize")
 _W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PROLOGUE_QR = 4  # = plan.PROLOGUE["QR"], checked by plan.GeometryPlans.runner
+_FINALIZE_BR = 4  # = plan.FINALIZE["BR"]
 
 
 def _raw_routing(topk_ids, topk_weights):
@@ -273,49 +276,52 @@ def _raw_routing(topk_ids, topk_weights):
 
 
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
-    from .kernels import num_blocks  # (cached imports: cheap, and keep this module light to import)
-    from .plan import FINALIZE, PROLOGUE
+    """Launch ``stages`` of ``cfg`` (tests, the tuner and the benchmark's diagnosis; calls go
+    through ``run``)."""
+    _launch(state, state.plans.runner(cfg), x, topk_ids, topk_weights, out, stages)
 
-    gp = state.plans
-    g = gp.geometry
-    a = gp.arena.buffers
+
+def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
+    a = state.plans.arena.buffers
     m = x.shape[0]
-    S = m * g.top_k
-    prologue, gemm1, gemm2, finalize = gp.stages(cfg)
+    cfg = rn.cfg
+    S = m * state.plans.geometry.top_k
     if cfg.gemv:  # two launches, no routing pass (see kernels.gemv1_kernel)
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         if "gemm1" in stages:
-            gemm1((S * -(-g.intermediate_size // cfg.bn1),),
-                  x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a["act"],
-                  S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
+            rn.gemm1((S * rn.n_tiles1,),
+                     x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a["act"],
+                     S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
         if "gemm2" in stages:
-            gemm2((m * -(-g.hidden_size // cfg.bn2),),
-                  a["act"], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
-                  m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0), int(out.dtype == torch.float16))
+            rn.gemm2((m * rn.n_tiles2,),
+                     a["act"], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
+                     m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
+                     int(out.dtype == torch.float16))
         return
+    g = state.plans.geometry
     bm = cfg.bm
-    nb = num_blocks(S, g.num_experts, bm)
+    nb = -(-S // bm) + min(g.num_experts, S)  # = kernels.num_blocks (S > 0 here)
     dst = a["acc"] if cfg.atomic else a["slots"]
     if "prologue" in stages:
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
-        prologue(
-            (1 + -(-m // PROLOGUE["QR"]),),
+        rn.prologue(
+            (1 + -(-m // _PROLOGUE_QR),),
             ids32, w16, x.view(torch.int16), a["xq"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
             a["blk_rows"], a["cursor"], m, si0, si1, sw0, sw1, x.stride(0), state.expert_offset, nb, w_kind,
             int(x.dtype == torch.float16))
     if "gemm1" in stages:
-        gemm1(
-            (nb * -(-g.intermediate_size // cfg.bn1),),
+        rn.gemm1(
+            (nb * rn.n_tiles1,),
             a["xq"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, a["act"],
             nb, state.limit)
     if "gemm2" in stages:
-        gemm2(
-            (nb * -(-g.hidden_size // cfg.bn2),),
+        rn.gemm2(
+            (nb * rn.n_tiles2,),
             a["act"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"], dst,
             nb)
     if "finalize" in stages:
-        finalize(
-            (-(-m // FINALIZE["BR"]), -(-g.hidden_size // FINALIZE["BK"])),
+        rn.finalize(
+            (-(-m // _FINALIZE_BR), rn.n_tiles_fin),
             dst, a["lid"], out.view(torch.int16), m, out.stride(0), int(out.dtype == torch.float16))
 
 

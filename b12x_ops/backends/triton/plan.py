@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -160,8 +160,14 @@ class Launch:
         # the full argument list (constexprs in place) as a template; a call fills the other slots
         self._template = [constexprs.get(n) for n in names]
         self._arg_pos = [i for i, n in enumerate(names) if n not in constexprs]
+        # every stage kernel declares its constexprs last: then the full list is args + a fixed tail
+        n_cx = len(constexprs)
+        self._tail = (tuple(constexprs[n] for n in names[len(names) - n_cx:])
+                      if set(names[len(names) - n_cx:]) == set(constexprs) else None)
 
-    def _full_args(self, args):
+    def _full_args(self, args: tuple):
+        if self._tail is not None:
+            return args + self._tail
         full = self._template.copy()
         for i, a in zip(self._arg_pos, args):
             full[i] = a
@@ -202,6 +208,19 @@ def _hooks():
     if k is None:
         return None, None
     return _active(k.launch_enter_hook), _active(k.launch_exit_hook)
+
+
+class Runner(NamedTuple):
+    """A planned count's launches and the per-config grid factors (``GeometryPlans.runner_for``)."""
+
+    cfg: Config
+    prologue: Launch | None
+    gemm1: Launch
+    gemm2: Launch
+    finalize: Launch | None
+    n_tiles1: int  # gemm1/gemv1 programs per expert block (or slot): N tiles
+    n_tiles2: int  # gemm2 programs per block (gemv2: per token): K tiles
+    n_tiles_fin: int  # finalize's K tiles
 
 
 class Arena:
@@ -252,6 +271,7 @@ class GeometryPlans:
         self.caps: list[int] = []
         self.launches: dict[tuple, Launch] = {}
         self._stages: dict[Config, tuple[Launch, Launch, Launch, Launch]] = {}
+        self._runners: dict[int, Runner] = {}
         self.arena = Arena(geometry.device, dry)
         g = geometry
         self.e_pad = triton.next_power_of_2(g.num_experts + 1)
@@ -264,6 +284,23 @@ class GeometryPlans:
         i = bisect.bisect_left(self.caps, m)
         cap = self.caps[min(i, len(self.caps) - 1)]
         return cap, self.configs[cap]
+
+    def runner_for(self, m: int) -> "Runner":
+        """What a call of ``m`` tokens launches: the planned count's config, its stages and their
+        fixed grid factors, built once per planned count (a bisect and a dict lookup a call)."""
+        i = bisect.bisect_left(self.caps, m)
+        cap = self.caps[min(i, len(self.caps) - 1)]
+        hit = self._runners.get(cap)
+        if hit is None:
+            hit = self._runners[cap] = self.runner(self.configs[cap])
+        return hit
+
+    def runner(self, cfg: Config) -> "Runner":
+        from . import _FINALIZE_BR, _PROLOGUE_QR  # (the per-call path's copies of the block sizes)
+        assert (_PROLOGUE_QR, _FINALIZE_BR) == (PROLOGUE["QR"], FINALIZE["BR"])
+        g = self.geometry
+        return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1), -(-g.hidden_size // cfg.bn2),
+                      -(-g.hidden_size // FINALIZE["BK"]))
 
     # ---- prepare
     def stages(self, cfg: Config) -> tuple:
@@ -358,6 +395,7 @@ class GeometryPlans:
             a.need("slots", S * g.hidden_size, torch.float32)
 
     def add(self, cap: int, cfg: Config) -> None:
+        self._runners.pop(cap, None)
         self.configs[cap] = cfg
         self.caps = sorted(self.configs)
         self.reserve(cap, cfg)
