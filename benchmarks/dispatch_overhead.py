@@ -5,7 +5,12 @@ what remains is the dispatcher, argument checks and the plan lookup: the per-cal
 package adds above the kernels. For scale it also times an empty op registered with
 ``torch.library.custom_op`` and one with ``Library.define`` + ``impl``, and a bare Python call.
 
-    python benchmarks/dispatch_overhead.py [--device cpu|cuda] [--calls 20000]
+    python benchmarks/dispatch_overhead.py [--device cpu|cuda] [--calls 20000] [--triton]
+
+``--triton`` (CPU) also times the Triton backend's own per-call Python: a handle prepared under
+``TRITON_INTERPRET=1`` whose precompiled launches are stubbed after assembling their argument
+lists, on its small-M (GEMV, 2 launches) and blocked (4 launches) paths. What the stub leaves out
+is triton's launcher itself.
 """
 
 from __future__ import annotations
@@ -65,13 +70,45 @@ def measure(device: str = "cpu", calls: int = 20000) -> dict[str, float]:
     return results
 
 
+def measure_triton(calls: int = 20000) -> dict[str, float]:
+    """The Triton backend's per-call Python with the kernel launches stubbed (CPU, interpreter)."""
+    import os
+    os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel is first launched
+    from b12x_ops.backends.triton import plan as P
+
+    E, K, N, top_k = 8, 256, 128, 4
+    w13, s13 = b12x_ops.quantize_mxfp4(torch.randn(E, 2 * N, K) * 0.05)
+    w2, s2 = b12x_ops.quantize_mxfp4(torch.randn(E, K, N) * 0.05)
+    h = b12x_ops.prepare_experts(w13, s13, w2, s2, top_k=top_k, backend="triton", max_tokens=64)
+
+    def stub(self, grid, *args):  # what Launch.__call__ does before triton's launcher
+        self._full_args(args)
+        tuple(grid) + (1,) * (3 - len(grid))
+        P._hooks()
+
+    P.Launch.__call__ = stub
+    res = {}
+    for M, path in ((1, "small-M GEMV path, 2 launches"), (32, "blocked path, 4 launches")):
+        x = torch.randn(M, K, dtype=torch.bfloat16)
+        ids = torch.randint(0, E, (M, top_k), dtype=torch.int32)
+        w = torch.rand(M, top_k)
+        out = torch.empty_like(x)
+        assert h._state.plans.plan_for(M)[1].gemv == (M == 1)
+        res[f"b12x::moe_w4a8_out on the triton backend, {path}, launches stubbed"] = _per_call_us(
+            lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--calls", type=int, default=20000)
     p.add_argument("--json", help="also write the numbers here")
+    p.add_argument("--triton", action="store_true", help="also the Triton backend's per-call Python (CPU)")
     a = p.parse_args()
     res = measure(a.device, a.calls)
+    if a.triton:
+        res.update(measure_triton(a.calls))
     print(f"| per-call host time on {a.device} (torch {torch.__version__}) | us |")
     print("| --- | --- |")
     for k, v in res.items():
