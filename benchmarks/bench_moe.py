@@ -120,10 +120,10 @@ def log_host_profile(call, log, n=200):
     prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(14)
     log(f"  host profile of {n} eager calls (cProfile adds its own cost per Python call):")
     for line in buf.getvalue().splitlines():
-        if line.strip() and ("/" in line or "{" in line or "ncalls" in line):
+        if line.strip() and (".py:" in line or "{" in line or "ncalls" in line):
             log("    " + line.strip()[:160])
 
 
