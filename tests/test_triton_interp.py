@@ -200,7 +200,7 @@ def test_interp_gemv_stages_match_twins(variant, bk):
     act = gp.arena.buffers["act"]
     act.fill_(float("nan"))
     _launch_all(st, cfg, x, ids, w, out, stages=("gemm1", "gemm2"))
-    N, K, top_k = layer.N, layer.K, layer.top_k
+    N, top_k = layer.N, layer.top_k
     xq = quant_dequant_mxfp8(x.float())  # gemv1 quantizes x on the fly: bit-exact with this
     lid = ids.long() - layer.offset
     lid = torch.where((ids >= 0) & (lid >= 0) & (lid < layer.E), lid, -1)
