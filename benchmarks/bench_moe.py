@@ -135,7 +135,8 @@ def bench_geometry(name, geo, args, bw, peak, log):
     layers = [random_layer(E, K, N, dev, 100 + i) for i in range(L)]
     t0 = time.perf_counter()
     handles = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=not args.no_tune,
-                                        max_tokens=max(args.sizes)) for lw in layers]
+                                        max_tokens=max(args.sizes), **({"fp8": True} if args.fp8 else {}))
+               for lw in layers]
     prep_s = time.perf_counter() - t0
     log(f"{name}: prepared {L} layers in {prep_s:.1f}s; memory per layer {handles[0].memory}")
     ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
@@ -436,6 +437,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--triton-kernels", default=None, help="folder holding the triton_kernels package (a peer)")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the Triton backend's opt-in fp8 tensor-core GEMMs")
     ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
     ap.add_argument("--gemv-compare", action="store_true",
                     help="only time the GEMV path against the blocked one (small M), print a table last")
@@ -459,7 +461,7 @@ def main(argv=None):
     cmd = "python benchmarks/bench_moe.py" + ("" if not args.triton_kernels else " --triton-kernels <DIR>") + \
         ("" if not args.no_tune else " --no-tune") + \
         ("" if args.layers == 8 else f" --layers {args.layers}") + ("" if args.reps == 20 else f" --reps {args.reps}") + \
-        (" --diagnose" if args.diagnose else "")
+        (" --diagnose" if args.diagnose else "") + (" --fp8" if args.fp8 else "")
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bw=bw, bf16_peak=peak, command=cmd, geometries=[])
     for name in args.geometries:

@@ -258,3 +258,20 @@ def test_gpu_ptx_and_triton_decodes_agree(name):
         got = {p: b12x_ops.moe_w4a8(x, ids, w, h) for p, h in hs.items()}
         assert rel_l2(got[True], want) <= 1e-2 and rel_l2(got[False], want) <= 1e-2
         assert rel_l2(got[True], got[False]) <= 1e-3  # the same weights; only the order of fp32 sums
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "odd-ep"])
+def test_gpu_fp8_blocked_path_matches_reference(name):
+    """The opt-in fp8 tensor-core GEMMs (fp8=True) against the reference, both reduction modes."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9 or newer")
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    for det in (False, True):
+        h = layer.prepare(backend="triton", tune=False, gemv=False, fp8=True, max_tokens=2048, deterministic=det)
+        for i, M in enumerate((1, 40, 333, 2048)):
+            x, ids, w = make_batch(layer, M, seed=70 + i, device="cuda", padding_rows=min(2, M // 4), strided=i == 2)
+            got = b12x_ops.moe_w4a8(x, ids, w, h)
+            want = b12x_ops.moe_w4a8(x, ids, w, ref)
+            assert torch.isfinite(got).all() and rel_l2(got, want) <= 1e-2, (name, det, M, rel_l2(got, want))
+

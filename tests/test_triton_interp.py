@@ -44,7 +44,8 @@ if INNER:
     from b12x_ops.backends.reference import ep_remap as ep_remap_torch
     from b12x_ops.backends.triton import kernels as K_
     from b12x_ops.backends.triton import plan as P
-    from b12x_ops.backends.triton.mxtl import decode_mxfp4_pair, e2m1_nibble_pair_f32_2m14, quant_dequant_mxfp8_tile
+    from b12x_ops.backends.triton.mxtl import (decode_mxfp4_e4m3, decode_mxfp4_pair, e2m1_nibble_pair_f32_2m14,
+                                               quant_dequant_mxfp8_tile, quant_mxfp8_bytes)
     from b12x_ops.backends.triton.remap import ep_remap
     from b12x_ops.mx import dequantize_mxfp4, quant_dequant_mxfp8
 
@@ -65,6 +66,23 @@ if INNER:
         ev, od = decode_mxfp4_pair(codes, sc, R, BKH, tl.float32, FAST)
         tl.store(e_ptr + r[:, None] * BKH + h[None, :], ev)
         tl.store(o_ptr + r[:, None] * BKH + h[None, :], od)
+
+    @triton.jit
+    def _q8_bytes_kernel(x_ptr, p_ptr, s_ptr, C: tl.constexpr, R: tl.constexpr):
+        r = tl.arange(0, R)
+        c = tl.arange(0, C)
+        bits, byte = quant_mxfp8_bytes(tl.load(x_ptr + r[:, None] * C + c[None, :]), R, C)
+        tl.store(p_ptr + r[:, None] * C + c[None, :], bits)
+        cb = tl.arange(0, C // 32)
+        tl.store(s_ptr + r[:, None] * (C // 32) + cb[None, :], byte)
+
+    @triton.jit
+    def _e4m3_decode_kernel(c_ptr, o_ptr, R: tl.constexpr, BKH: tl.constexpr):
+        r = tl.arange(0, R)
+        h = tl.arange(0, BKH)
+        w = decode_mxfp4_e4m3(tl.load(c_ptr + r[:, None] * BKH + h[None, :]), R, BKH)
+        o = tl.arange(0, 2 * BKH)
+        tl.store(o_ptr + r[:, None] * (2 * BKH) + o[None, :], w.to(tl.uint8, bitcast=True))
 
     @triton.jit
     def _gemv_decode_kernel(w_ptr, o_ptr, W: tl.constexpr):
@@ -96,6 +114,41 @@ def test_interp_mxfp8_quant_is_bit_exact(seed):
     _qdq_kernel[(1,)](v, y, C=64, R=8)
     want = quant_dequant_mxfp8(v)
     assert torch.equal(y.view(torch.int32), want.view(torch.int32))
+
+
+@inner
+@pytest.mark.parametrize("seed", [0, 1])
+def test_interp_mxfp8_bytes_match_quant_dequant(seed):
+    # the fp8 GEMMs keep MXFP8 as payload bytes and E8M0 bytes: their product is the quant-dequant
+    v = _awkward_values(8, 64, seed)
+    v[2, 5] = 1e30  # (3e38 overflows the reference's own product; a huge value still saturates its block)
+    pay = torch.empty(8, 64, dtype=torch.uint8)
+    sc = torch.empty(8, 2, dtype=torch.uint8)
+    _q8_bytes_kernel[(1,)](v, pay, sc, C=64, R=8)
+    e4m3 = pay.view(torch.float8_e4m3fn).float()
+    scale = torch.where(sc == 0, 0.0, torch.exp2(sc.float() - 127)).repeat_interleave(32, dim=1)
+    assert torch.equal(e4m3 * scale, quant_dequant_mxfp8(v))
+
+
+@inner
+def test_interp_mxfp4_to_e4m3_decode_is_exact():
+    codes = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # every code pair
+    out = torch.empty(8, 64, dtype=torch.uint8)
+    _e4m3_decode_kernel[(1,)](codes, out, R=8, BKH=32)
+    want = dequantize_mxfp4(codes, torch.full((8, 2), 127, dtype=torch.uint8))  # scale 1: the E2M1 values
+    assert torch.equal(out.view(torch.float8_e4m3fn).float(), want)
+
+
+@inner
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interp_fp8_blocked_path_matches_reference(name):
+    layer, (x, ids, w) = case(name)
+    want = b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))
+    for det in (False, True):
+        h = layer.prepare(backend="triton", max_tokens=16, gemv=False, fp8=True, deterministic=det)
+        assert h._state.plans.fp8
+        got = b12x_ops.moe_w4a8(x, ids, w, h)
+        assert rel_l2(got, want) <= 1e-2
 
 
 @inner
@@ -295,20 +348,21 @@ if INNER:
         global_scales=st.booleans(),
         scale_lo=st.sampled_from([1, 118]),  # 1: bytes outside [2, 252] take the exact-multiply decode
         gemv=st.sampled_from([None, False]),
+        fp8=st.booleans(),
         deterministic=st.booleans(),
         id_dtype=st.sampled_from([torch.int32, torch.int64]),
         w_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
         seed=st.integers(0, 2**16),
     )
     def test_interp_random_layers_match_reference(E, K, N, top_k, M, layout, limit, offset, padding_rows,
-                                                  global_scales, scale_lo, gemv, deterministic, id_dtype, w_dtype,
-                                                  seed):
+                                                  global_scales, scale_lo, gemv, fp8, deterministic, id_dtype,
+                                                  w_dtype, seed):
         top_k = min(top_k, E)
         layer = make_layer(E=E, K=K, N=N, top_k=top_k, seed=seed, layout=layout, limit=limit, offset=offset,
                            global_scales=global_scales, scale_range=(scale_lo, scale_lo + 7))
         x, ids, w = make_batch(layer, M, seed=seed, id_dtype=id_dtype, w_dtype=w_dtype,
                                padding_rows=min(padding_rows, M))
-        h = layer.prepare(backend="triton", max_tokens=32, gemv=gemv, deterministic=deterministic)
+        h = layer.prepare(backend="triton", max_tokens=32, gemv=gemv, fp8=fp8, deterministic=deterministic)
         cfg = h._state.plans.plan_for(M)[1]
         assert cfg.gemv == (gemv is None and P.use_gemv(M, h._state.plans.geometry))
         got = b12x_ops.moe_w4a8(x, ids, w, h)
@@ -445,5 +499,8 @@ def test_interp_options_are_checked():
     layer = make_layer()
     with pytest.raises(ValueError, match="options"):
         layer.prepare(backend="triton", bogus=1)
+    for opt in ("gemv", "ptx", "fp8"):
+        with pytest.raises(ValueError, match=f"option {opt}: expected"):
+            layer.prepare(backend="triton", **{opt: "yes"})
     h = layer.prepare(backend="triton", max_tokens=4, tune=False)
     assert h.backend == "triton" and h.memory["device_bytes"] == h.memory["checkpoint_bytes"]

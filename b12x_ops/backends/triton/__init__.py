@@ -14,6 +14,9 @@ Options (``prepare_experts(..., backend="triton", **options)``):
 * ``ptx`` (bool or None, default None): the blocked path's GEMMs decode MXFP4 with inline PTX
   (``mxtl.decode_mxfp4_pair_ptx``) when the checkpoint's scale bytes allow it; ``False`` uses the
   Triton-ops decode (a benchmark and debugging switch).
+* ``fp8`` (bool, default False): the blocked path's GEMMs on fp8 tensor cores (``gemm1_fp8``,
+  ``gemm2_fp8``: MXFP8 activations kept as bytes, weights decoded to E4M3, block scales applied to
+  each K = 32 partial sum); needs sm_89 or newer. Experimental: not yet measured on a GPU.
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 
@@ -32,7 +35,7 @@ import weakref
 import torch
 
 NAME = "triton"
-_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "ptx")
+_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "ptx", "fp8")
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
@@ -84,17 +87,22 @@ def prepare(spec) -> State:
     frozen = bool(spec.options.get("frozen", True))
     gemv = spec.options.get("gemv", None)
     ptx = spec.options.get("ptx", None)
-    for opt, val in (("gemv", gemv), ("ptx", ptx)):
+    fp8 = spec.options.get("fp8", False)
+    for opt, val in (("gemv", gemv), ("ptx", ptx), ("fp8", fp8)):
         if val is not None and not isinstance(val, bool):
             raise ValueError(f"prepare_experts: backend 'triton' option {opt}: expected None, True or False, got {val!r}")
 
     # Scale bytes in [2, 252] take the integer decode (the scale folded into the exponent); a
     # checkpoint with others gets kernels of its own (the geometry key includes the choice).
     fast = all(int(t.min()) >= 2 and int(t.max()) <= 252 for t in (spec.w13_scale, spec.w2_scale))
-    key = (g, fast, gemv, ptx)
+    if fp8 and on_gpu and torch.cuda.get_device_capability(g.device) < (8, 9):
+        cc = torch.cuda.get_device_capability(g.device)
+        raise ValueError(f"prepare_experts: backend 'triton' option fp8: needs fp8 tensor cores (compute capability "
+                         f"8.9 or newer), the device has {cc[0]}.{cc[1]}")
+    key = (g, fast, gemv, ptx, bool(fp8))
     shared = _SHARED.get(key)
     if shared is None:
-        shared = P.GeometryPlans(g, fast, gemv, ptx)
+        shared = P.GeometryPlans(g, fast, gemv, ptx, fp8=bool(fp8))
         _SHARED[key] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 
@@ -150,7 +158,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     mode = state.plans.gemv
     if not tune:
         return {c: P.default_config(c, g, mode) for c in caps}
-    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx)
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx, state.plans.fp8)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -302,13 +310,26 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     bm = cfg.bm
     nb = -(-S // bm) + min(g.num_experts, S)  # = kernels.num_blocks (S > 0 here)
     dst = a["acc"] if cfg.atomic else a["slots"]
+    fp8 = state.plans.fp8
     if "prologue" in stages:
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         rn.prologue(
             (1 + -(-m // _PROLOGUE_QR),),
-            ids32, w16, x.view(torch.int16), a["xq"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
-            a["blk_rows"], a["cursor"], m, si0, si1, sw0, sw1, x.stride(0), state.expert_offset, nb, w_kind,
-            int(x.dtype == torch.float16))
+            ids32, w16, x.view(torch.int16), a["xq8"] if fp8 else a["xq"], a["xs"], a["acc"], a["lid"], a["wts"],
+            a["sorted"], a["blk_expert"], a["blk_rows"], a["cursor"], m, si0, si1, sw0, sw1, x.stride(0),
+            state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
+    if fp8:
+        if "gemm1" in stages:
+            rn.gemm1(
+                (nb * rn.n_tiles1,),
+                a["xq8"], a["xs"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13,
+                a["act8"], a["as"], nb, state.limit)
+        if "gemm2" in stages:
+            rn.gemm2(
+                (nb * rn.n_tiles2,),
+                a["act8"], a["as"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2,
+                a["wts"], dst, nb)
+        stages = tuple(st for st in stages if st not in ("gemm1", "gemm2"))
     if "gemm1" in stages:
         rn.gemm1(
             (nb * rn.n_tiles1,),

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from ..reference import swiglu as swiglu_torch
 from ...mx import dequantize_mxfp4, quant_dequant_mxfp8
-from .mxtl import (decode_mxfp4_pair, decode_mxfp4_pair_ptx, e2m1_nibble_pair_f32_2m14, e8m0_f32, mxfp8_apply,
-                   mxfp8_block_scale, quant_dequant_mxfp8_tile)
+from .mxtl import (decode_mxfp4_e4m3, decode_mxfp4_pair, decode_mxfp4_pair_ptx, e2m1_nibble_pair_f32_2m14, e8m0_f32,
+                   mxfp8_apply, mxfp8_block_scale, quant_dequant_mxfp8_tile, quant_mxfp8_bytes)
 
 
 def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
@@ -105,12 +105,16 @@ def f32_to_half_bits(v, is_fp16):
            "x_fp16"),
       dnsa=("ids_ptr", "wts_in_ptr", "x_ptr"))
 def prologue_kernel(
-    ids_ptr, wts_in_ptr, x_ptr, xq_ptr, acc_ptr,
+    ids_ptr, wts_in_ptr, x_ptr, xq_ptr, xs_ptr, acc_ptr,
     lid_ptr, wts_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, cursor_ptr,
     M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks, w_kind, x_fp16,
     K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
     CH: tl.constexpr, BCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr, ZERO_ACC: tl.constexpr,
+    FP8: tl.constexpr,
 ):
+    """Program 0 routes; the others quantize rows of x: dequantized in the split column order into
+    ``xq`` (bf16), or with ``FP8`` as E4M3 payload bytes (element order) into ``xq`` and E8M0 bytes
+    into ``xs`` (uint8), for the fp8 GEMMs."""
     pid = tl.program_id(0)
     if pid == 0:
         # ---- routing, one program: histogram, expert blocks, scatter
@@ -160,8 +164,15 @@ def prologue_kernel(
             ks = k0 + tl.arange(0, QK)
             msk = rm[:, None] & (ks < K)[None, :]
             raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0)
-            q = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
-            tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + split_col(ks)[None, :], q, mask=msk)
+            if FP8:
+                bits, byte = quant_mxfp8_bytes(half_bits_to_f32(raw, x_fp16), QR, QK)
+                tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], bits, mask=msk)
+                kb = k0 // 32 + tl.arange(0, QK // 32)
+                tl.store(xs_ptr + rows.to(tl.int64)[:, None] * (K // 32) + kb[None, :], byte,
+                         mask=rm[:, None] & (kb < K // 32)[None, :])
+            else:
+                q = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
+                tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + split_col(ks)[None, :], q, mask=msk)
             if ZERO_ACC:
                 tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32), mask=msk)
 
@@ -350,6 +361,135 @@ def gemm2_kernel(
             we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
         acc = tl.dot(we, ae, acc)
         acc = tl.dot(wo, ao, acc)
+    if HAS_GS:
+        acc = acc * tl.load(gs_ptr + e)
+    acc = acc * tl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]
+    msk = ovalid[:, None] & rvalid[None, :]
+    if ATOMIC:
+        tok = (slot // TOPK).to(tl.int64)
+        tl.atomic_add(dst_ptr + tok[None, :] * K + offs_o[:, None], acc, mask=msk, sem="relaxed")
+    else:
+        tl.store(dst_ptr + slot.to(tl.int64)[None, :] * K + offs_o[:, None], acc, mask=msk)
+
+
+# --------------------------------------------------------------------------------- fp8 GEMMs
+# The blocked GEMMs on fp8 tensor cores (opt-in: ``prepare_experts(..., fp8=True)``, sm_89+): the
+# activations stay MXFP8 (E4M3 payload bytes + E8M0 bytes, from the prologue and gemm1), the
+# weights decode to E4M3 exactly (``mxtl.decode_mxfp4_e4m3``), and each K = 32 block is one fp8
+# MMA whose fp32 partial sum is scaled by the weight row's and the token row's block scales before
+# it is added. Same grids, routing and epilogues as gemm1/gemm2; BK is 32 x the blocks a step.
+@_jit(dns=("nblocks",))
+def gemm1_fp8_kernel(
+    xq_ptr, xs_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, as_ptr,
+    nblocks, limit,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """As ``gemm1_kernel``; ``a``/``as`` receive the MXFP8 payload and scale bytes (element order)."""
+    pid = tl.program_id(0)
+    NT: tl.constexpr = (N + BN - 1) // BN
+    pid_m = pid // NT
+    pid_n = pid % NT
+    e = tl.load(blk_expert_ptr + pid_m)
+    if e < 0:
+        return
+    nrows = tl.load(blk_rows_ptr + pid_m)
+    offs_r = tl.arange(0, BM)
+    rvalid = offs_r < nrows
+    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    tok = (slot // TOPK).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < N
+    if UP_FIRST:
+        up_rows = offs_n
+        gate_rows = offs_n + N
+    else:
+        up_rows = offs_n + N
+        gate_rows = offs_n
+    KH: tl.constexpr = K // 2
+    KS: tl.constexpr = K // 32
+    NSUB: tl.constexpr = BK // 32
+    w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
+    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
+    offs_h = tl.arange(0, 16)
+    x_cols = xq_ptr + tok[None, :] * K + tl.arange(0, 32)[:, None]  # [32, BM]
+    x_sc = xs_ptr + tok * KS
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, KS, NSUB):
+        for j in tl.static_range(NSUB):
+            kb = k0 + j
+            kv = (kb + tl.arange(0, 1)) < KS  # [1]: this block exists (a tail step may pass the end)
+            x8 = tl.load(x_cols + kb * 32, mask=rvalid[None, :] & kv[:, None], other=0)
+            x8 = x8.to(tl.float8e4nv, bitcast=True)
+            sx = e8m0_f32(tl.load(x_sc + kb, mask=rvalid & kv, other=0))
+            wm = nvalid[:, None] & kv[None, :]
+            cu = tl.load(w_e + up_rows[:, None] * KH + kb * 16 + offs_h[None, :], mask=wm, other=0)
+            su = e8m0_f32(tl.load(s_e + up_rows * KS + kb, mask=nvalid & kv, other=0))
+            pu = tl.dot(decode_mxfp4_e4m3(cu, BN, 16), x8)
+            acc_u += (pu * su[:, None]) * sx[None, :]
+            cg = tl.load(w_e + gate_rows[:, None] * KH + kb * 16 + offs_h[None, :], mask=wm, other=0)
+            sg = e8m0_f32(tl.load(s_e + gate_rows * KS + kb, mask=nvalid & kv, other=0))
+            pg = tl.dot(decode_mxfp4_e4m3(cg, BN, 16), x8)
+            acc_g += (pg * sg[:, None]) * sx[None, :]
+    if HAS_GS:
+        g = tl.load(gs_ptr + e)
+        acc_u = acc_u * g
+        acc_g = acc_g * g
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = tl.trans(acc_g * tl.sigmoid(acc_g) * acc_u)  # [BM, BN]
+    bits, byte = quant_mxfp8_bytes(act, BM, BN)
+    rows = (pid_m * BM + offs_r).to(tl.int64)
+    tl.store(a_ptr + rows[:, None] * N + offs_n[None, :], bits, mask=rvalid[:, None] & nvalid[None, :])
+    sb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+    tl.store(as_ptr + rows[:, None] * (N // 32) + sb[None, :], byte, mask=rvalid[:, None] & (sb < N // 32)[None, :])
+
+
+@_jit(dns=("nblocks",))
+def gemm2_fp8_kernel(
+    a_ptr, as_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+    nblocks,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """As ``gemm2_kernel``, reading the MXFP8 bytes gemm1_fp8 wrote."""
+    pid = tl.program_id(0)
+    NT: tl.constexpr = (K + BN - 1) // BN
+    pid_m = pid // NT
+    pid_n = pid % NT
+    e = tl.load(blk_expert_ptr + pid_m)
+    if e < 0:
+        return
+    nrows = tl.load(blk_rows_ptr + pid_m)
+    offs_r = tl.arange(0, BM)
+    rvalid = offs_r < nrows
+    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    offs_o = pid_n * BN + tl.arange(0, BN)
+    ovalid = offs_o < K
+    NH: tl.constexpr = N // 2
+    NS: tl.constexpr = N // 32
+    NSUB: tl.constexpr = BK // 32
+    w_e = w_ptr + e.to(tl.int64) * (K * NH)
+    s_e = s_ptr + e.to(tl.int64) * (K * NS)
+    offs_h = tl.arange(0, 16)
+    rows = (pid_m * BM + offs_r).to(tl.int64)
+    a_cols = a_ptr + rows[None, :] * N + tl.arange(0, 32)[:, None]  # [32, BM]
+    a_sc = as_ptr + rows * NS
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for n0 in range(0, NS, NSUB):
+        for j in tl.static_range(NSUB):
+            nb = n0 + j
+            kv = (nb + tl.arange(0, 1)) < NS
+            a8 = tl.load(a_cols + nb * 32, mask=rvalid[None, :] & kv[:, None], other=0)
+            a8 = a8.to(tl.float8e4nv, bitcast=True)
+            sa = e8m0_f32(tl.load(a_sc + nb, mask=rvalid & kv, other=0))
+            c = tl.load(w_e + offs_o[:, None] * NH + nb * 16 + offs_h[None, :], mask=ovalid[:, None] & kv[None, :],
+                        other=0)
+            sw = e8m0_f32(tl.load(s_e + offs_o * NS + nb, mask=ovalid & kv, other=0))
+            p = tl.dot(decode_mxfp4_e4m3(c, BN, 16), a8)
+            acc += (p * sw[:, None]) * sa[None, :]
     if HAS_GS:
         acc = acc * tl.load(gs_ptr + e)
     acc = acc * tl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]

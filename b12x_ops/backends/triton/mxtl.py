@@ -163,10 +163,15 @@ def mxfp8_block_scale(amax):
 
 
 @triton.jit
+def mxfp8_payload(v, inv):
+    """The E4M3 payload (an fp32 holding an E4M3 value) of fp32 ``v`` in a block with multiplier ``inv``."""
+    return round_e4m3(tl.minimum(tl.maximum(v * inv, -448.0), 448.0))
+
+
+@triton.jit
 def mxfp8_apply(v, pow2, inv):
     """MXFP8 quantize-dequantize of fp32 ``v`` with its block's ``(pow2, inv)`` (broadcast)."""
-    payload = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
-    return round_e4m3(payload) * pow2
+    return mxfp8_payload(v, inv) * pow2
 
 
 @triton.jit
@@ -208,3 +213,34 @@ def e2m1_nibble_pair_f32_2m14(words, t: tl.constexpr):
     lo = both.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
+
+
+@triton.jit
+def quant_mxfp8_bytes(v, BR: tl.constexpr, BC: tl.constexpr):
+    """MXFP8 quantization of an fp32 ``[BR, BC]`` tile per 32 along its columns, as bytes: the E4M3
+    payloads ``[BR, BC]`` and the E8M0 scale bytes ``[BR, BC // 32]`` (uint8), the same numbers
+    ``quant_dequant_mxfp8_tile`` multiplies back together."""
+    blocks = tl.reshape(v, (BR, BC // 32, 32))
+    pow2, inv = mxfp8_block_scale(tl.max(tl.abs(blocks), axis=2))
+    payload = mxfp8_payload(blocks, inv[:, :, None])
+    bits = payload.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # exact: the payload is an E4M3 value
+    byte = ((pow2.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+    return tl.reshape(bits, (BR, BC)), byte
+
+
+@triton.jit
+def _e2m1_e4m3_bits(nib):
+    """E4M3 bits (int32) of the E2M1 code ``nib``: exponent field ``e1 e0`` + 6, mantissa ``m``
+    (0.5 and 0 by hand); exact for all 16 codes."""
+    em = nib & 7
+    mag = tl.where(em >= 2, (em << 2) + 48, tl.where(em == 1, 48, 0))
+    return mag | ((nib & 8) << 4)
+
+
+@triton.jit
+def decode_mxfp4_e4m3(codes, BR: tl.constexpr, BKH: tl.constexpr):
+    """``[BR, BKH]`` MXFP4 code bytes as ``[BR, 2 * BKH]`` E4M3 in element order (low nibble first):
+    the E2M1 values exactly, without their block scales (the fp8 GEMMs apply those to K = 32 sums)."""
+    c = codes.to(tl.int32)
+    both = tl.reshape(tl.join(_e2m1_e4m3_bits(c & 15), _e2m1_e4m3_bits(c >> 4)), (BR, 2 * BKH))
+    return both.to(tl.uint8).to(tl.float8e4nv, bitcast=True)

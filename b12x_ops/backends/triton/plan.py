@@ -260,11 +260,13 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False):
+    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False, fp8: bool = False):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
         # the blocked GEMMs decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
         self.ptx = bool(fast_scales and not INTERPRET and ptx is not False)
+        # the blocked path's GEMMs on fp8 tensor cores (gemm1_fp8/gemm2_fp8), opt-in
+        self.fp8 = bool(fp8)
         # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
         self.fast_scales = fast_scales
         self.configs: dict[int, Config] = {}
@@ -337,7 +339,7 @@ class GeometryPlans:
         if kind == "prologue":
             p = PROLOGUE
             ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, CH=p["CH"],
-                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic),
+                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic, FP8=self.fp8),
                         p["warps"], 1)
         elif kind == "gemm1" and cfg.gemv:
             ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
@@ -348,6 +350,17 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                               HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2),
+                        cfg.warps2, cfg.stages2)
+        elif kind == "gemm1" and self.fp8:
+            ln = Launch(K_.gemm1_fp8_kernel,
+                        dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+                             HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
+                             BK=max(32, cfg.bk1 // 2)),
+                        cfg.warps1, cfg.stages1)
+        elif kind == "gemm2" and self.fp8:
+            ln = Launch(K_.gemm2_fp8_kernel,
+                        dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
+                             BN=cfg.bn2, BK=max(32, cfg.bk2 // 2)),
                         cfg.warps2, cfg.stages2)
         elif kind == "gemm1":
             ln = Launch(K_.gemm1_kernel,
@@ -373,7 +386,8 @@ class GeometryPlans:
         a = self.arena
         for name, dt in (("xq", self.act_dtype), ("lid", torch.int32), ("wts", torch.float32), ("sorted", torch.int32),
                          ("blk_expert", torch.int32), ("blk_rows", torch.int32), ("cursor", torch.int32),
-                         ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32)):
+                         ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32),
+                         ("xq8", torch.uint8), ("xs", torch.uint8), ("act8", torch.uint8), ("as", torch.uint8)):
             a.need(name, 1, dt)
         if cfg.gemv:  # one activation row a slot, nothing else
             a.need("act", cap * g.top_k * g.intermediate_size, self.act_dtype)
@@ -381,14 +395,21 @@ class GeometryPlans:
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k
         nb = K_.num_blocks(S, g.num_experts, cfg.bm)
-        a.need("xq", tokens * g.hidden_size, self.act_dtype)
+        if self.fp8:  # MXFP8 as bytes: payloads and E8M0 scales, activations of both GEMMs
+            a.need("xq8", tokens * g.hidden_size, torch.uint8)
+            a.need("xs", tokens * g.hidden_size // 32, torch.uint8)
+            a.need("act8", nb * cfg.bm * g.intermediate_size, torch.uint8)
+            a.need("as", nb * cfg.bm * g.intermediate_size // 32, torch.uint8)
+        else:
+            a.need("xq", tokens * g.hidden_size, self.act_dtype)
         a.need("lid", S, torch.int32)
         a.need("wts", S, torch.float32)
         a.need("sorted", nb * cfg.bm, torch.int32)
         a.need("blk_expert", nb, torch.int32)
         a.need("blk_rows", nb, torch.int32)
         a.need("cursor", self.e_pad, torch.int32)
-        a.need("act", nb * cfg.bm * g.intermediate_size, self.act_dtype)
+        if not self.fp8:
+            a.need("act", nb * cfg.bm * g.intermediate_size, self.act_dtype)
         if cfg.atomic:
             a.need("acc", tokens * g.hidden_size, torch.float32)
         else:
@@ -408,11 +429,11 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str, gemv=None, ptx=False) -> str:
+def cache_path(geometry, directory: str, gemv=None, ptx=False, fp8=False) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 5, gemv, ptx])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 5, gemv, ptx, fp8])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
