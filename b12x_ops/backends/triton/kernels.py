@@ -62,6 +62,64 @@ def unsplit(t: torch.Tensor) -> torch.Tensor:
     return t[..., split_perm(t.shape[-1])]
 
 
+# ---------------------------------------------------------------------------- shared pieces
+@triton.jit
+def local_expert(gid, expert_offset, E: tl.constexpr):
+    """``(local id, ours)`` of global expert ids ``gid`` (int64): padding (-1) and other ranks' ids
+    are not ours."""
+    lid = gid - expert_offset
+    return lid, (gid >= 0) & (lid >= 0) & (lid < E)
+
+
+@triton.jit
+def _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM: tl.constexpr):
+    """``(rows, valid, slot)`` of the ``BM`` rows of expert block ``pid_m``: their int64 row index in
+    the block-ordered buffers, whether each holds a slot, and that slot."""
+    offs_r = tl.arange(0, BM)
+    rvalid = offs_r < tl.load(blk_rows_ptr + pid_m)
+    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    return (pid_m * BM + offs_r).to(tl.int64), rvalid, slot
+
+
+@triton.jit
+def _up_gate_rows(offs_n, N: tl.constexpr, UP_FIRST: tl.constexpr):
+    """W13 rows of up and of gate for intermediate columns ``offs_n`` (layout w13: up first)."""
+    if UP_FIRST:
+        up, gate = offs_n, offs_n + N
+    else:
+        up, gate = offs_n + N, offs_n
+    return up, gate
+
+
+@triton.jit
+def _swiglu(up, gate, gs_ptr, e, limit, HAS_GS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """``silu(min(gate, L)) * clamp(up, -L, L)`` of fp32 sums, after the expert's global scale."""
+    if HAS_GS:
+        g = tl.load(gs_ptr + e)
+        up = up * g
+        gate = gate * g
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K: tl.constexpr,
+                 TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr):
+    """A GEMM2 ``[BN outputs, BM rows]`` tile times the global scale and the router weights, added into
+    the fp32 ``[M, K]`` accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]``."""
+    if HAS_GS:
+        acc = acc * tl.load(gs_ptr + e)
+    acc = acc * tl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]
+    msk = ovalid[:, None] & rvalid[None, :]
+    if ATOMIC:
+        tok = (slot // TOPK).to(tl.int64)
+        tl.atomic_add(dst_ptr + tok[None, :] * K + offs_o[:, None], acc, mask=msk, sem="relaxed")
+    else:
+        tl.store(dst_ptr + slot.to(tl.int64)[None, :] * K + offs_o[:, None], acc, mask=msk)
+
+
 # ------------------------------------------------------------------------------------- prologue
 def _jit(*, dns, dnsa=()):
     """``triton.jit`` for kernels launched precompiled: arguments that change from call to call
@@ -127,8 +185,8 @@ def prologue_kernel(
             m = s // TOPK
             j = s - m * TOPK
             gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + j * stride_ik, mask=sm, other=-1).to(tl.int64)
-            lid = gid - expert_offset
-            ok = sm & (gid >= 0) & (lid >= 0) & (lid < E)
+            lid, ours = local_expert(gid, expert_offset, E)
+            ok = sm & ours
             w = load_weight_raw(wts_in_ptr + m.to(tl.int64) * stride_wm + j * stride_wk, sm, w_kind)
             lid32 = tl.where(ok, lid, -1).to(tl.int32)
             tl.store(lid_ptr + s, lid32, mask=sm)
@@ -253,19 +311,11 @@ def gemm1_kernel(
     e = tl.load(blk_expert_ptr + pid_m)
     if e < 0:
         return
-    nrows = tl.load(blk_rows_ptr + pid_m)
-    offs_r = tl.arange(0, BM)
-    rvalid = offs_r < nrows
-    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
     tok = (slot // TOPK).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < N
-    if UP_FIRST:
-        up_rows = offs_n
-        gate_rows = offs_n + N
-    else:
-        up_rows = offs_n + N
-        gate_rows = offs_n
+    up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 32
     BKH: tl.constexpr = BK // 2
@@ -300,16 +350,8 @@ def gemm1_kernel(
             ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE, FAST)
         acc_g = tl.dot(ge, xe, acc_g)
         acc_g = tl.dot(go, xo, acc_g)
-    if HAS_GS:
-        g = tl.load(gs_ptr + e)
-        acc_u = acc_u * g
-        acc_g = acc_g * g
-    if HAS_LIMIT:
-        acc_g = tl.minimum(acc_g, limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = tl.trans(acc_g * tl.sigmoid(acc_g) * acc_u)  # [BM, BN]
+    act = tl.trans(_swiglu(acc_u, acc_g, gs_ptr, e, limit, HAS_GS, HAS_LIMIT))  # [BM, BN]
     act = quant_dequant_mxfp8_tile(act, BM, BN)
-    rows = (pid_m * BM + offs_r).to(tl.int64)
     tl.store(a_ptr + rows[:, None] * N + split_col(offs_n)[None, :], act, mask=rvalid[:, None] & nvalid[None, :])
 
 
@@ -331,10 +373,7 @@ def gemm2_kernel(
     e = tl.load(blk_expert_ptr + pid_m)
     if e < 0:
         return
-    nrows = tl.load(blk_rows_ptr + pid_m)
-    offs_r = tl.arange(0, BM)
-    rvalid = offs_r < nrows
-    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     NH: tl.constexpr = N // 2
@@ -344,7 +383,7 @@ def gemm2_kernel(
     s_e = s_ptr + e.to(tl.int64) * (K * NS)
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
-    aT = a_ptr + (pid_m * BM + offs_r).to(tl.int64)[None, :] * N + (32 * (offs_h // 16) + offs_h % 16)[:, None]
+    aT = a_ptr + rows[None, :] * N + (32 * (offs_h // 16) + offs_h % 16)[:, None]
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for n0 in range(0, N, BK):
         hmask = (n0 // 2 + offs_h) < NH
@@ -361,15 +400,7 @@ def gemm2_kernel(
             we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
         acc = tl.dot(we, ae, acc)
         acc = tl.dot(wo, ao, acc)
-    if HAS_GS:
-        acc = acc * tl.load(gs_ptr + e)
-    acc = acc * tl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]
-    msk = ovalid[:, None] & rvalid[None, :]
-    if ATOMIC:
-        tok = (slot // TOPK).to(tl.int64)
-        tl.atomic_add(dst_ptr + tok[None, :] * K + offs_o[:, None], acc, mask=msk, sem="relaxed")
-    else:
-        tl.store(dst_ptr + slot.to(tl.int64)[None, :] * K + offs_o[:, None], acc, mask=msk)
+    _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)
 
 
 # --------------------------------------------------------------------------------- fp8 GEMMs
@@ -393,19 +424,11 @@ def gemm1_fp8_kernel(
     e = tl.load(blk_expert_ptr + pid_m)
     if e < 0:
         return
-    nrows = tl.load(blk_rows_ptr + pid_m)
-    offs_r = tl.arange(0, BM)
-    rvalid = offs_r < nrows
-    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
     tok = (slot // TOPK).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < N
-    if UP_FIRST:
-        up_rows = offs_n
-        gate_rows = offs_n + N
-    else:
-        up_rows = offs_n + N
-        gate_rows = offs_n
+    up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 32
     NSUB: tl.constexpr = BK // 32
@@ -432,16 +455,8 @@ def gemm1_fp8_kernel(
             sg = e8m0_f32(tl.load(s_e + gate_rows * KS + kb, mask=nvalid & kv, other=0))
             pg = tl.dot(decode_mxfp4_e4m3(cg, BN, 16), x8)
             acc_g += (pg * sg[:, None]) * sx[None, :]
-    if HAS_GS:
-        g = tl.load(gs_ptr + e)
-        acc_u = acc_u * g
-        acc_g = acc_g * g
-    if HAS_LIMIT:
-        acc_g = tl.minimum(acc_g, limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    act = tl.trans(acc_g * tl.sigmoid(acc_g) * acc_u)  # [BM, BN]
+    act = tl.trans(_swiglu(acc_u, acc_g, gs_ptr, e, limit, HAS_GS, HAS_LIMIT))  # [BM, BN]
     bits, byte = quant_mxfp8_bytes(act, BM, BN)
-    rows = (pid_m * BM + offs_r).to(tl.int64)
     tl.store(a_ptr + rows[:, None] * N + offs_n[None, :], bits, mask=rvalid[:, None] & nvalid[None, :])
     sb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
     tl.store(as_ptr + rows[:, None] * (N // 32) + sb[None, :], byte, mask=rvalid[:, None] & (sb < N // 32)[None, :])
@@ -462,10 +477,7 @@ def gemm2_fp8_kernel(
     e = tl.load(blk_expert_ptr + pid_m)
     if e < 0:
         return
-    nrows = tl.load(blk_rows_ptr + pid_m)
-    offs_r = tl.arange(0, BM)
-    rvalid = offs_r < nrows
-    slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
+    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     NH: tl.constexpr = N // 2
@@ -474,7 +486,6 @@ def gemm2_fp8_kernel(
     w_e = w_ptr + e.to(tl.int64) * (K * NH)
     s_e = s_ptr + e.to(tl.int64) * (K * NS)
     offs_h = tl.arange(0, 16)
-    rows = (pid_m * BM + offs_r).to(tl.int64)
     a_cols = a_ptr + rows[None, :] * N + tl.arange(0, 32)[:, None]  # [32, BM]
     a_sc = as_ptr + rows * NS
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -490,15 +501,7 @@ def gemm2_fp8_kernel(
             sw = e8m0_f32(tl.load(s_e + offs_o * NS + nb, mask=ovalid & kv, other=0))
             p = tl.dot(decode_mxfp4_e4m3(c, BN, 16), a8)
             acc += (p * sw[:, None]) * sa[None, :]
-    if HAS_GS:
-        acc = acc * tl.load(gs_ptr + e)
-    acc = acc * tl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]
-    msk = ovalid[:, None] & rvalid[None, :]
-    if ATOMIC:
-        tok = (slot // TOPK).to(tl.int64)
-        tl.atomic_add(dst_ptr + tok[None, :] * K + offs_o[:, None], acc, mask=msk, sem="relaxed")
-    else:
-        tl.store(dst_ptr + slot.to(tl.int64)[None, :] * K + offs_o[:, None], acc, mask=msk)
+    _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)
 
 
 # ---------------------------------------------------------------------------------- small-M GEMV
@@ -559,17 +562,12 @@ def gemv1_kernel(
     pid_n = pid // S
     m = b // TOPK
     gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(tl.int64)
-    e = gid - expert_offset
-    if (gid < 0) | (e < 0) | (e >= E):
+    e, ours = local_expert(gid, expert_offset, E)
+    if ours == 0:  # padding or another rank's expert: no work
         return
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < N
-    if UP_FIRST:
-        up_rows = offs_n
-        gate_rows = offs_n + N
-    else:
-        up_rows = offs_n + N
-        gate_rows = offs_n
+    up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
     KH: tl.constexpr = K // 2
     KW: tl.constexpr = K // 8  # int32 words of codes a row
     KS: tl.constexpr = K // 32
@@ -616,16 +614,7 @@ def gemv1_kernel(
         acc_u += (tl.sum(pu, axis=2) * 16384.0) * e8m0_f32(su)
         acc_g += (tl.sum(pg, axis=2) * 16384.0) * e8m0_f32(sg)
         cu, cg, su, sg = cu_next, cg_next, su_next, sg_next
-    hu = tl.sum(acc_u, axis=1)
-    hg = tl.sum(acc_g, axis=1)
-    if HAS_GS:
-        g = tl.load(gs_ptr + e)
-        hu = hu * g
-        hg = hg * g
-    if HAS_LIMIT:
-        hg = tl.minimum(hg, limit)
-        hu = tl.minimum(tl.maximum(hu, -limit), limit)
-    act = hg * tl.sigmoid(hg) * hu
+    act = _swiglu(tl.sum(acc_u, axis=1), tl.sum(acc_g, axis=1), gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
     act = tl.reshape(quant_dequant_mxfp8_tile(tl.reshape(act, (1, BN)), 1, BN), (BN,))
     tl.store(a_ptr + b.to(tl.int64) * N + offs_n, act, mask=nvalid)
 
@@ -683,8 +672,8 @@ def gemv2_kernel(
     total = tl.zeros((BN,), dtype=tl.float32)
     for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
         gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
-        e = gid - expert_offset
-        if (gid >= 0) & (e >= 0) & (e < E):
+        e, ours = local_expert(gid, expert_offset, E)
+        if ours:
             w_e = (w_ptr + e * (K * NH)).to(tl.pointer_type(tl.int32))
             s_e = s_ptr + e * (K * NS)
             y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_e, s_e, offs_o, ovalid, N, BN, BK)

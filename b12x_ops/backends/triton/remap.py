@@ -12,8 +12,19 @@ import triton
 import triton.language as tl
 
 from ..reference import ep_remap as ep_remap_torch  # noqa: F401  (the twin, re-exported for tests)
+from .kernels import local_expert
 
-_BIG = 2**31 - 1
+
+
+@triton.jit
+def _local_rows(ids_ptr, r0, M, stride_im, stride_ik, expert_offset, cols, cm, E: tl.constexpr, BR: tl.constexpr):
+    """Rows ``r0 ..`` of the batch: ``(rows, mask, local ids (int32, 2^31 - 1 where not ours), ours)``."""
+    rows = (r0 + tl.arange(0, BR)).to(tl.int64)
+    msk = (rows < M)[:, None] & cm[None, :]
+    gid = tl.load(ids_ptr + rows[:, None] * stride_im + cols[None, :] * stride_ik, mask=msk, other=-1).to(tl.int64)
+    lid, ours = local_expert(gid, expert_offset, E)
+    ok = msk & ours
+    return rows, msk, tl.where(ok, lid, 2147483647).to(tl.int32), ok
 
 
 @triton.jit
@@ -25,21 +36,12 @@ def ep_remap_kernel(
     cm = cols < TOPK
     best = tl.full((BR, TOPK_PAD), 2147483647, tl.int32)
     for r0 in range(0, M, BR):
-        rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-        msk = (rows < M)[:, None] & cm[None, :]
-        gid = tl.load(ids_ptr + rows[:, None] * stride_im + cols[None, :] * stride_ik, mask=msk, other=-1).to(tl.int64)
-        lid = gid - expert_offset
-        ok = msk & (gid >= 0) & (lid >= 0) & (lid < E)
-        best = tl.minimum(best, tl.where(ok, lid, 2147483647).to(tl.int32))
+        _, _, lid32, _ = _local_rows(ids_ptr, r0, M, stride_im, stride_ik, expert_offset, cols, cm, E, BR)
+        best = tl.minimum(best, lid32)
     batch_min = tl.min(tl.min(best, axis=1), axis=0)
     batch_fill = tl.where(batch_min < E, batch_min, 0)
     for r0 in range(0, M, BR):
-        rows = (r0 + tl.arange(0, BR)).to(tl.int64)
-        msk = (rows < M)[:, None] & cm[None, :]
-        gid = tl.load(ids_ptr + rows[:, None] * stride_im + cols[None, :] * stride_ik, mask=msk, other=-1).to(tl.int64)
-        lid = gid - expert_offset
-        ok = msk & (gid >= 0) & (lid >= 0) & (lid < E)
-        lid32 = tl.where(ok, lid, 2147483647).to(tl.int32)
+        rows, msk, lid32, ok = _local_rows(ids_ptr, r0, M, stride_im, stride_ik, expert_offset, cols, cm, E, BR)
         row_min = tl.min(lid32, axis=1)
         fill = tl.where(row_min < E, row_min, batch_fill)
         ids = tl.where(ok, lid32, fill[:, None])
