@@ -83,44 +83,36 @@ def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, O
 #    scale ``2^(byte - 127)`` (the byte shifted into a bf16 exponent field) the weight, exactly for
 #    bytes in [2, 252] (every product stays a normal bf16).
 # About 30 integer and bf16x2 instructions for 8 weights, against ~10 an element in Triton ops.
-_DECODE_PTX = tl.constexpr("""
-{
-.reg .b32 lo, hi, t, u, s01, s23, h, msk, bias, nz;
-mov.b32 msk, 0x81C081C0;
-mov.b32 bias, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-prmt.b32 s01, $5, 0, 0x4140;
-shl.b32 s01, s01, 7;
-prmt.b32 s23, $5, 0, 0x4342;
-shl.b32 s23, s23, 7;
-prmt.b32 lo, $4, 0, 0x4140;
-shl.b32 t, lo, 6;
-shl.b32 u, lo, 12;
-lop3.b32 t, t, u, msk, 0xA8;
-fma.rn.bf16x2 t, t, bias, nz;
-fma.rn.bf16x2 $0, t, s01, nz;
-prmt.b32 hi, $4, 0, 0x4342;
-shl.b32 t, hi, 6;
-shl.b32 u, hi, 12;
-lop3.b32 t, t, u, msk, 0xA8;
-fma.rn.bf16x2 t, t, bias, nz;
-fma.rn.bf16x2 $1, t, s23, nz;
-shr.b32 h, $4, 4;
-and.b32 h, h, 0x0F0F0F0F;
-prmt.b32 lo, h, 0, 0x4140;
-shl.b32 t, lo, 6;
-shl.b32 u, lo, 12;
-lop3.b32 t, t, u, msk, 0xA8;
-fma.rn.bf16x2 t, t, bias, nz;
-fma.rn.bf16x2 $2, t, s01, nz;
-prmt.b32 hi, h, 0, 0x4342;
-shl.b32 t, hi, 6;
-shl.b32 u, hi, 12;
-lop3.b32 t, t, u, msk, 0xA8;
-fma.rn.bf16x2 t, t, bias, nz;
-fma.rn.bf16x2 $3, t, s23, nz;
-}
-""")
+def _decode_ptx_source() -> str:
+    """The asm described above: the scale pairs, then per output register (even pairs from the low
+    nibbles, odd pairs from the high ones shifted down) prmt, two shifts, lop3 and two fma."""
+    lines = [
+        "{",
+        ".reg .b32 lo, hi, t, u, s01, s23, h, msk, bias, nz;",
+        "mov.b32 msk, 0x81C081C0;",
+        "mov.b32 bias, 0x7E807E80;",
+        "mov.b32 nz, 0x80008000;",
+        "prmt.b32 s01, $5, 0, 0x4140;",
+        "shl.b32 s01, s01, 7;",
+        "prmt.b32 s23, $5, 0, 0x4342;",
+        "shl.b32 s23, s23, 7;",
+    ]
+    for src, outs in (("$4", ("$0", "$1")), ("h", ("$2", "$3"))):
+        if src == "h":  # the high nibbles, moved to the low ones
+            lines += ["shr.b32 h, $4, 4;", "and.b32 h, h, 0x0F0F0F0F;"]
+        for (reg, sel, scale), out in zip((("lo", "0x4140", "s01"), ("hi", "0x4342", "s23")), outs):
+            lines += [
+                f"prmt.b32 {reg}, {src}, 0, {sel};",
+                f"shl.b32 t, {reg}, 6;",
+                f"shl.b32 u, {reg}, 12;",
+                "lop3.b32 t, t, u, msk, 0xA8;",
+                "fma.rn.bf16x2 t, t, bias, nz;",
+                f"fma.rn.bf16x2 {out}, t, {scale}, nz;",
+            ]
+    return "\n".join(["", *lines, "}", ""])
+
+
+_DECODE_PTX = tl.constexpr(_decode_ptx_source())
 
 
 @triton.jit
