@@ -258,8 +258,6 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
 
 _ALL = ("prologue", "gemm1", "gemm2", "finalize")
 _W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_PROLOGUE_QR = 4  # = plan.PROLOGUE["QR"], checked by plan.GeometryPlans.runner
-_FINALIZE_BR = 4  # = plan.FINALIZE["BR"]
 
 
 def _raw_routing(topk_ids, topk_weights):
@@ -297,52 +295,38 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     if cfg.gemv:  # two launches, no routing pass (see kernels.gemv1_kernel)
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         if "gemm1" in stages:
-            rn.gemm1((S * rn.n_tiles1,),
+            rn.gemm1((S * rn.n_tiles1, 1, 1),
                      x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a["act"],
                      S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
         if "gemm2" in stages:
-            rn.gemm2((m * rn.n_tiles2,),
+            rn.gemm2((m * rn.n_tiles2, 1, 1),
                      a["act"], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
                      m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
                      int(out.dtype == torch.float16))
         return
-    g = state.plans.geometry
-    bm = cfg.bm
-    nb = -(-S // bm) + min(g.num_experts, S)  # = kernels.num_blocks (S > 0 here)
+    nb = rn.blocks(S)
     dst = a["acc"] if cfg.atomic else a["slots"]
-    fp8 = state.plans.fp8
+    xq, act = a[rn.x_buf], a[rn.act_buf]
     if "prologue" in stages:
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         rn.prologue(
-            (1 + -(-m // _PROLOGUE_QR),),
-            ids32, w16, x.view(torch.int16), a["xq8"] if fp8 else a["xq"], a["xs"], a["acc"], a["lid"], a["wts"],
-            a["sorted"], a["blk_expert"], a["blk_rows"], a["cursor"], m, si0, si1, sw0, sw1, x.stride(0),
-            state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
-    if fp8:
-        if "gemm1" in stages:
-            rn.gemm1(
-                (nb * rn.n_tiles1,),
-                a["xq8"], a["xs"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13,
-                a["act8"], a["as"], nb, state.limit)
-        if "gemm2" in stages:
-            rn.gemm2(
-                (nb * rn.n_tiles2,),
-                a["act8"], a["as"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2,
-                a["wts"], dst, nb)
-        stages = tuple(st for st in stages if st not in ("gemm1", "gemm2"))
+            (1 + -(-m // rn.prologue_rows), 1, 1),
+            ids32, w16, x.view(torch.int16), xq, a["xs"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
+            a["blk_rows"], a["cursor"], m, si0, si1, sw0, sw1, x.stride(0), state.expert_offset, nb, w_kind,
+            int(x.dtype == torch.float16))
     if "gemm1" in stages:
         rn.gemm1(
-            (nb * rn.n_tiles1,),
-            a["xq"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, a["act"],
-            nb, state.limit)
+            (nb * rn.n_tiles1, 1, 1),
+            xq, a["xs"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act,
+            a["as"], nb, state.limit)
     if "gemm2" in stages:
         rn.gemm2(
-            (nb * rn.n_tiles2,),
-            a["act"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"], dst,
-            nb)
+            (nb * rn.n_tiles2, 1, 1),
+            act, a["as"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"],
+            dst, nb)
     if "finalize" in stages:
         rn.finalize(
-            (-(-m // _FINALIZE_BR), rn.n_tiles_fin),
+            (-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
             dst, a["lid"], out.view(torch.int16), m, out.stride(0), int(out.dtype == torch.float16))
 
 

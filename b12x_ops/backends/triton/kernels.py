@@ -37,7 +37,7 @@ def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
     """Upper bound on expert blocks of ``bm`` rows: every expert's partial block plus full ones."""
     if num_slots == 0:
         return 0
-    return triton.cdiv(num_slots, bm) + min(num_experts, num_slots)
+    return -(-num_slots // bm) + min(num_experts, num_slots)  # (plain ints: triton.cdiv costs ~2 us a call)
 
 
 # ------------------------------------------------------------------------------- split layout
@@ -295,7 +295,7 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
 # tiles of rows: 2-6x faster; ``benchmarks/results/sweep_blocked.md``.)
 @_jit(dns=("nblocks",))
 def gemm1_kernel(
-    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
+    xq_ptr, xs_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, as_ptr,
     nblocks, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -303,7 +303,8 @@ def gemm1_kernel(
     PTX: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN columns of up and of gate): ``dq8(silu(gate) * up)`` of the
-    block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX."""
+    block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX. ``xs`` and
+    ``as`` (the fp8 kernels' scale bytes) are unused: both forms take the same arguments."""
     pid = tl.program_id(0)
     NT: tl.constexpr = (N + BN - 1) // BN
     pid_m = pid // NT  # block-major: a block's tiles run together and share its rows in L2
@@ -357,7 +358,7 @@ def gemm1_kernel(
 
 @_jit(dns=("nblocks",))
 def gemm2_kernel(
-    a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+    a_ptr, as_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
     nblocks,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
@@ -365,7 +366,8 @@ def gemm2_kernel(
 ):
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
-    accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic)."""
+    accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic). ``as`` is
+    unused (as in gemm1_kernel)."""
     pid = tl.program_id(0)
     NT: tl.constexpr = (K + BN - 1) // BN
     pid_m = pid // NT  # block-major, as gemm1

@@ -173,7 +173,7 @@ class Launch:
             full[i] = a
         return full
 
-    def __call__(self, grid, *args):
+    def __call__(self, grid: tuple[int, int, int], *args):
         ck = self.compiled
         if ck is None:
             if self.frozen:
@@ -187,10 +187,9 @@ class Launch:
             return
         full = self._full_args(args)
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-        g = tuple(grid) + (1,) * (3 - len(grid))
         enter, leave = _hooks()
-        md = ck.launch_metadata(g, stream, *full) if enter is not None else None
-        self._run(g[0], g[1], g[2], stream, self._function, self._packed, md, enter, leave, *full)
+        md = ck.launch_metadata(grid, stream, *full) if enter is not None else None
+        self._run(grid[0], grid[1], grid[2], stream, self._function, self._packed, md, enter, leave, *full)
 
 
 def _active(hook):
@@ -211,7 +210,7 @@ def _hooks():
 
 
 class Runner(NamedTuple):
-    """A planned count's launches and the per-config grid factors (``GeometryPlans.runner_for``)."""
+    """A config's launches and the grid factors that depend on it alone (``GeometryPlans.runner``)."""
 
     cfg: Config
     prologue: Launch | None
@@ -221,6 +220,15 @@ class Runner(NamedTuple):
     n_tiles1: int  # gemm1/gemv1 programs per expert block (or slot): N tiles
     n_tiles2: int  # gemm2 programs per block (gemv2: per token): K tiles
     n_tiles_fin: int  # finalize's K tiles
+    prologue_rows: int  # rows of x a prologue program quantizes
+    finalize_rows: int  # rows a finalize program writes
+    num_experts: int
+    x_buf: str  # the arena buffers of the quantized activations of GEMM1 and GEMM2 (fp8: bytes)
+    act_buf: str
+
+    def blocks(self, slots: int) -> int:
+        """Expert blocks a call of ``slots`` routed slots launches (``kernels.num_blocks``)."""
+        return K_.num_blocks(slots, self.num_experts, self.cfg.bm)
 
 
 class Arena:
@@ -272,8 +280,7 @@ class GeometryPlans:
         self.configs: dict[int, Config] = {}
         self.caps: list[int] = []
         self.launches: dict[tuple, Launch] = {}
-        self._stages: dict[Config, tuple[Launch, Launch, Launch, Launch]] = {}
-        self._runners: dict[int, Runner] = {}
+        self.runners: dict[int, Runner] = {}  # per planned count: what a call launches
         self.arena = Arena(geometry.device, dry)
         g = geometry
         self.e_pad = triton.next_power_of_2(g.num_experts + 1)
@@ -282,37 +289,31 @@ class GeometryPlans:
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
 
     # ---- per call
-    def plan_for(self, m: int) -> tuple[int, Config]:
+    def cap_for(self, m: int) -> int:
+        """The planned token count that serves a call of ``m`` tokens (the top one above it)."""
         i = bisect.bisect_left(self.caps, m)
-        cap = self.caps[min(i, len(self.caps) - 1)]
+        return self.caps[min(i, len(self.caps) - 1)]
+
+    def plan_for(self, m: int) -> tuple[int, Config]:
+        cap = self.cap_for(m)
         return cap, self.configs[cap]
 
-    def runner_for(self, m: int) -> "Runner":
-        """What a call of ``m`` tokens launches: the planned count's config, its stages and their
-        fixed grid factors, built once per planned count (a bisect and a dict lookup a call)."""
-        i = bisect.bisect_left(self.caps, m)
-        cap = self.caps[min(i, len(self.caps) - 1)]
-        hit = self._runners.get(cap)
-        if hit is None:
-            hit = self._runners[cap] = self.runner(self.configs[cap])
-        return hit
-
-    def runner(self, cfg: Config) -> "Runner":
-        from . import _FINALIZE_BR, _PROLOGUE_QR  # (the per-call path's copies of the block sizes)
-        assert (_PROLOGUE_QR, _FINALIZE_BR) == (PROLOGUE["QR"], FINALIZE["BR"])
-        g = self.geometry
-        return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1), -(-g.hidden_size // cfg.bn2),
-                      -(-g.hidden_size // FINALIZE["BK"]))
+    def runner_for(self, m: int) -> Runner:
+        """What a call of ``m`` tokens launches (built by ``add`` at prepare)."""
+        return self.runners[self.cap_for(m)]
 
     # ---- prepare
+    def runner(self, cfg: Config) -> Runner:
+        g = self.geometry
+        return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1), -(-g.hidden_size // cfg.bn2),
+                      -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts,
+                      "xq8" if self.fp8 else "xq", "act8" if self.fp8 and not cfg.gemv else "act")
+
     def stages(self, cfg: Config) -> tuple:
         """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` (the GEMV path: (None, gemv1,
-        gemv2, None)): one dict lookup a call, the key building of ``launch`` done once per config."""
-        hit = self._stages.get(cfg)
-        if hit is None:
-            hit = self._stages[cfg] = tuple(self.launch(k, cfg) if k in self.kinds(cfg) else None
-                                            for k in ("prologue", "gemm1", "gemm2", "finalize"))
-        return hit
+        gemv2, None))."""
+        return tuple(self.launch(k, cfg) if k in self.kinds(cfg) else None
+                     for k in ("prologue", "gemm1", "gemm2", "finalize"))
 
     @staticmethod
     def kinds(cfg: Config) -> tuple[str, ...]:
@@ -416,12 +417,10 @@ class GeometryPlans:
             a.need("slots", S * g.hidden_size, torch.float32)
 
     def add(self, cap: int, cfg: Config) -> None:
-        self._runners.pop(cap, None)
         self.configs[cap] = cfg
         self.caps = sorted(self.configs)
         self.reserve(cap, cfg)
-        for kind in self.kinds(cfg):
-            self.launch(kind, cfg)
+        self.runners[cap] = self.runner(cfg)
 
 
 # ------------------------------------------------------------------------------- tuning cache
