@@ -486,10 +486,9 @@ def test_interp_launch_argument_lists_put_constexprs_in_place():
         assert gp.launches
         for ln in gp.launches.values():
             assert ln._tail is not None, ln.fn.__name__
-            args = tuple(f"arg{i}" for i in range(len(ln._arg_pos)))
-            want = ln._template.copy()
-            for i, a in zip(ln._arg_pos, args):
-                want[i] = a
+            args = tuple(f"arg{i}" for i in range(ln.n_args))
+            rest = iter(args)
+            want = [ln.constexprs[n] if n in ln.constexprs else next(rest) for n in ln.fn.arg_names]
             assert list(ln._full_args(args)) == want, ln.fn.__name__
             assert len(want) == len(ln.fn.arg_names)
 

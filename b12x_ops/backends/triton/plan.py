@@ -156,22 +156,17 @@ class Launch:
         self.num_stages = num_stages
         self.compiled = None
         self.frozen = False
+        # every stage kernel declares its constexprs last: a call's full argument list (the launcher
+        # takes constexprs too) is then its runtime arguments plus this fixed tail
         names = fn.arg_names
-        # the full argument list (constexprs in place) as a template; a call fills the other slots
-        self._template = [constexprs.get(n) for n in names]
-        self._arg_pos = [i for i, n in enumerate(names) if n not in constexprs]
-        # every stage kernel declares its constexprs last: then the full list is args + a fixed tail
-        n_cx = len(constexprs)
-        self._tail = (tuple(constexprs[n] for n in names[len(names) - n_cx:])
-                      if set(names[len(names) - n_cx:]) == set(constexprs) else None)
+        tail = names[len(names) - len(constexprs):]
+        if set(tail) != set(constexprs):
+            raise TypeError(f"{fn.__name__}: its constexprs {sorted(constexprs)} must be its last parameters")
+        self._tail = tuple(constexprs[n] for n in tail)
+        self.n_args = len(names) - len(constexprs)
 
-    def _full_args(self, args: tuple):
-        if self._tail is not None:
-            return args + self._tail
-        full = self._template.copy()
-        for i, a in zip(self._arg_pos, args):
-            full[i] = a
-        return full
+    def _full_args(self, args: tuple) -> tuple:
+        return args + self._tail
 
     def __call__(self, grid: tuple[int, int, int], *args):
         ck = self.compiled
