@@ -1,0 +1,139 @@
+"""Compile the Triton backend's stage kernels for a GPU this machine does not have, and report
+what the compiler made of them: registers, spills, shared memory, async copies.
+
+    python benchmarks/compile_offline.py [--geometries ...] [--sizes 1 64 8192] [--arch 90]
+
+Triton compiles for any NVIDIA target without a GPU (its wheel carries ptxas), so register
+pressure and the effect of a kernel change on it can be checked here before spending device time.
+The kernels are the ones a prepare would launch (the default config per token count), with the
+pointer alignment a real launch specializes on. Numbers depend on the triton version (the device's
+triton is what counts: install the same version to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from b12x_ops.backends.triton import plan as P  # noqa: E402
+
+# element types of the pointer arguments, by name (what ``_launch`` passes)
+_I16 = {"x_ptr", "wts_in_ptr", "out_ptr"}
+_I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cursor_ptr"}
+_U8 = {"w_ptr", "s_ptr", "xs_ptr", "as_ptr"}
+_F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr"}
+
+
+def signature(launch: P.Launch, fp8: bool) -> tuple[dict, dict]:
+    fn = launch.fn
+    no_align = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize_on_alignment", ())}
+    sig, attrs = {}, {}
+    gemv = fn.__name__.startswith("gemv")
+    for i, name in enumerate(fn.arg_names):
+        if name in launch.constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            if name in _I16 or (name == "wts_ptr" and gemv):
+                t = "*i16"
+            elif name in _I32:
+                t = "*i32"
+            elif name in _U8 or (fp8 and name in ("xq_ptr", "a_ptr") and not gemv):
+                t = "*u8"
+            elif name in _F32 or name == "wts_ptr":
+                t = "*fp32"
+            else:  # activations: bf16
+                t = "*bf16"
+            sig[name] = t
+            if name not in no_align:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name == "limit" else "i32"
+    return sig, attrs
+
+
+def resources(cubin: bytes, name: str) -> str:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if name in line and i + 1 < len(lines):
+            return lines[i + 1].strip()
+    return out.strip()[-200:]
+
+
+def compile_launch(launch: P.Launch, arch: int, fp8: bool):
+    sig, attrs = signature(launch, fp8)
+    src = ASTSource(launch.fn, sig, dict(launch.constexprs), attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+
+
+def main(argv=None):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_moe import GEOMETRIES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
+    ap.add_argument("--sizes", nargs="*", type=int, default=[1, 8, 64, 512, 8192])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--gemv", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--stages", nargs="*", default=["prologue", "gemm1", "gemm2", "finalize"])
+    args = ap.parse_args(argv)
+
+    gemv = {"auto": None, "on": True, "off": False}[args.gemv]
+    print(f"triton {triton.__version__}, target sm_{args.arch}")
+    print("| geometry | M | stage | kernel | tiles | warps/stages | resources | async copies |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.geometries:
+        geo = GEOMETRIES[name]
+        g = _geometry(geo)
+        gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fp8=args.fp8)
+        gp.ptx = True  # what a GPU prepare with fast scales chooses
+        gp.dot_dtype = triton.language.bfloat16
+        done = set()
+        for M in args.sizes:
+            cfg = P.default_config(M, g, gemv)
+            for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg)):
+                if ln is None or stage not in args.stages or id(ln) in done:
+                    continue
+                done.add(id(ln))
+                try:
+                    ck = compile_launch(ln, args.arch, args.fp8)
+                    res = resources(ck.asm["cubin"], ln.fn.__name__)
+                    asyncs = ck.asm["ptx"].count("cp.async")
+                    res = res.split(" CONSTANT")[0] + f" dyn-smem:{ck.metadata.shared}"
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    res, asyncs = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", ""
+                tiles = {k: v for k, v in ln.constexprs.items() if k.startswith("B")}
+                print(f"| {name} | {M} | {stage} | {ln.fn.__name__} | {tiles} | {ln.num_warps}/{ln.num_stages} "
+                      f"| {res} | {asyncs} |", flush=True)
+
+
+def _geometry(geo):
+    """A CPU ``Geometry`` of a benchmark geometry (only shapes and flags matter here)."""
+    from b12x_ops.handle import Geometry
+
+    return Geometry(num_experts=geo["E"], hidden_size=geo["K"], intermediate_size=geo["N"], top_k=geo["top_k"],
+                    w13_layout="w13", activation="silu", swiglu_limit=geo["limit"], has_global_scales=False, deterministic=True,
+                    device=torch.device("cpu"))
+
+
+if __name__ == "__main__":
+    main()
