@@ -1,0 +1,136 @@
+"""Tile sweep of the small-M (GEMV) path on a CUDA GPU.
+
+    python benchmarks/sweep_gemv.py [--geometries ...] [--sizes 1 2 4 8] [--layers 4] [--budget 240]
+
+For every geometry and M, each gemv1 candidate and each gemv2 candidate is timed alone (CUDA-graph
+replay of that kernel over ``--layers`` layers' handles, so weights come from HBM), then the whole
+op with the best pair and with the current default is timed and checked against the reference.
+Times are us per layer; the HBM limit is the distinct experts' weight and scale bytes over
+``--bw``. Writes a markdown table to ``--out`` as it goes; stops cleanly when ``--budget`` seconds
+have passed. This is how ``plan._GEMV1``/``_GEMV2`` and ``plan.gemv_config`` are chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import b12x_ops  # noqa: E402
+from b12x_ops.backends.triton import _launch_all  # noqa: E402
+from b12x_ops.backends.triton import plan as P  # noqa: E402
+from bench_moe import GEOMETRIES, graph_time, random_layer, routing  # noqa: E402
+
+# (bn, bk, warps, stages): gemv1 (bn: N outputs of up and of gate), gemv2 (bn: K outputs)
+# (gemv1's bn is a multiple of 32: its output is quantized to MXFP8 per 32)
+G1 = [(32, 128, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 8, 3), (32, 512, 8, 3),
+      (32, 64, 2, 4), (64, 64, 4, 4)]
+G2 = [(8, 256, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3),
+      (8, 512, 4, 3), (16, 128, 4, 4)]
+
+
+def rel_l2(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
+    ap.add_argument("--sizes", nargs="*", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--bw", type=float, default=4.27e12, help="copy bandwidth in bytes/s for the limit column")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds, split evenly between the geometries")
+    ap.add_argument("--out", default="sweep_gemv.md")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    lines = [f"# GEMV-path tile sweep ({torch.cuda.get_device_name()}); us per layer, CUDA-graph replay over "
+             f"{args.layers} layers; limit at {args.bw / 1e12:.2f} TB/s", ""]
+
+    def emit(s):
+        print(s, flush=True)
+        lines.append(s)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    per_geo = args.budget / len(args.geometries)
+    for gi, name in enumerate(args.geometries):
+        deadline = t_start + per_geo * (gi + 1)
+        geo = GEOMETRIES[name]
+        E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
+        expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
+        layers = [random_layer(E, K, N, "cuda", 100 + i) for i in range(args.layers)]
+        hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False, gemv=True,
+                                       max_tokens=max(args.sizes), frozen=False) for lw in layers]
+        ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
+        g = hs[0]._state.plans.geometry
+        emit(f"## {name}")
+        emit("")
+        emit("| M | kernel | tiles (bn, bk, warps, stages) | us | regs | note |")
+        emit("|---|---|---|---|---|---|")
+        for M in args.sizes:
+            if time.perf_counter() > deadline:
+                emit(f"(this geometry's {per_geo:.0f} s of the budget are spent)")
+                break
+            xs, idss, wss, outs = [], [], [], []
+            for i in range(args.layers):
+                _, ids, w = routing(M, E, top_k, "cuda", 7 + i)
+                xs.append(torch.randn(M, K, device="cuda").to(torch.bfloat16))
+                idss.append(ids)
+                wss.append(w.float())
+                outs.append(torch.empty(M, K, device="cuda", dtype=torch.bfloat16))
+            distinct = sum(int(torch.unique(i_).numel()) for i_ in idss) / args.layers
+            emit(f"| {M} | limit | | {distinct * expert_bytes / args.bw * 1e6:.1f} | | |")
+            want = b12x_ops.moe_w4a8(xs[0], idss[0], wss[0], ref)
+            base = P.default_config(M, g, gemv=True)
+            st0 = hs[0]._state
+            st0.plans.reserve(M, base)
+
+            def timed(cfg, stages):
+                calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o, stages)
+                         for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
+                return graph_time(calls, reps=10) * 1e6
+
+            best = {}
+            for kind, cands in (("gemv1", G1), ("gemv2", G2)):
+                stage = "gemm1" if kind == "gemv1" else "gemm2"
+                if kind == "gemv2":  # its input: the best gemv1's activations
+                    _launch_all(st0, best.get("gemv1", (None, base))[1], xs[0], idss[0], wss[0], outs[0], ("gemm1",))
+                for t4 in cands:
+                    if time.perf_counter() > deadline:
+                        break
+                    f = ("bn1", "bk1", "warps1", "stages1") if kind == "gemv1" else ("bn2", "bk2", "warps2", "stages2")
+                    cfg = dataclasses.replace(base, **dict(zip(f, t4)))
+                    try:
+                        t = timed(cfg, (stage,))
+                        ln = st0.plans.stages(cfg)[1 if kind == "gemv1" else 2]
+                        regs = getattr(ln.compiled, "n_regs", "?")
+                        note = ""
+                    except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
+                        t, regs, note = float("inf"), "", f"{type(exc).__name__}: {str(exc)[:60]}"
+                    if t < best.get(kind, (float("inf"),))[0]:
+                        best[kind] = (t, cfg)
+                    emit(f"| {M} | {kind} | {t4} | {t:.1f} | {regs} | {note} |")
+            if "gemv1" in best and "gemv2" in best:
+                c1, c2 = best["gemv1"][1], best["gemv2"][1]
+                pair = dataclasses.replace(c1, bn2=c2.bn2, bk2=c2.bk2, warps2=c2.warps2, stages2=c2.stages2)
+                for tag, cfg in (("default", base), ("best pair", pair)):
+                    _launch_all(st0, cfg, xs[0], idss[0], wss[0], outs[0])
+                    err = rel_l2(outs[0], want)
+                    t = timed(cfg, ("gemm1", "gemm2"))
+                    tiles = f"{(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} / {(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}"
+                    emit(f"| {M} | **whole op, {tag}** | {tiles} | **{t:.1f}** | | rel err {err:.1e}"
+                         f"{'' if err <= 1e-2 else ' WRONG'} |")
+        del hs, ref, layers
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
