@@ -555,7 +555,7 @@ def gemv1_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
     S, stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Program (slot b, N tile): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into ``a[b]``.
     ``x`` and the ids come as raw 16-/32-bit views (see ``prologue_kernel``)."""
@@ -587,17 +587,23 @@ def gemv1_kernel(
     gate_w = w_e + gate_rows[:, None, None] * KW + word_off[None, :, :]
     up_s = s_e + up_rows[:, None] * KS + j[None, :]
     gate_s = s_e + gate_rows[:, None] * KS + j[None, :]
-    # STAGES > 1: the code loads go through shared memory in a STAGES-deep asynchronous pipeline,
-    # so a program keeps several chunks in flight without holding them in registers (masks are
-    # constant along a block's 4 words, so the loads stay 16-byte vectors)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    # Register double buffering: each step loads the NEXT chunk's codes and scales before decoding
+    # this one, so a program keeps two chunks of HBM reads in flight (few programs at small M).
+    # Masks are constant along a block's 4 words, so the code loads stay 16-byte vectors.
+    bnext = j < KS
+    cu = tl.load(up_w, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
+    cg = tl.load(gate_w, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
+    su = tl.load(up_s, mask=nvalid[:, None] & bnext[None, :], other=0)
+    sg = tl.load(gate_s, mask=nvalid[:, None] & bnext[None, :], other=0)
+    for k0 in range(0, K, BK):
         bvalid = (k0 // 32 + j) < KS  # [NB]
-        wm = nvalid[:, None, None] & bvalid[None, :, None]
-        sm = nvalid[:, None] & bvalid[None, :]
-        cu = tl.load(up_w + k0 // 8, mask=wm, other=0)
-        cg = tl.load(gate_w + k0 // 8, mask=wm, other=0)
-        su = tl.load(up_s + k0 // 32, mask=sm, other=0)
-        sg = tl.load(gate_s + k0 // 32, mask=sm, other=0)
+        bnext = (k0 // 32 + NB + j) < KS
+        wm = nvalid[:, None, None] & bnext[None, :, None]
+        sm = nvalid[:, None] & bnext[None, :]
+        cu_next = tl.load(up_w + (k0 + BK) // 8, mask=wm, other=0)
+        cg_next = tl.load(gate_w + (k0 + BK) // 8, mask=wm, other=0)
+        su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
+        sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
         # this chunk of x, quantized to MXFP8 on the fly: one vector load of 8 values a code word,
         # then split into the 8 tiles the nibbles meet (x is shared by the program's BN rows)
         raw = tl.load(x_row + k0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None], other=0)
@@ -609,9 +615,41 @@ def gemv1_kernel(
         pg = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), cg, x0, x1, x2, x3, x4, x5, x6, x7)
         acc_u += (tl.sum(pu, axis=2) * 16384.0) * e8m0_f32(su)
         acc_g += (tl.sum(pg, axis=2) * 16384.0) * e8m0_f32(sg)
+        cu, cg, su, sg = cu_next, cg_next, su_next, sg_next
     act = _swiglu(tl.sum(acc_u, axis=1), tl.sum(acc_g, axis=1), gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
     act = tl.reshape(quant_dequant_mxfp8_tile(tl.reshape(act, (1, BN)), 1, BN), (BN,))
     tl.store(a_ptr + b.to(tl.int64) * N + offs_n, act, mask=nvalid)
+
+
+@triton.jit
+def _gemv2_slot(a_row, w_e, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``dq8(a) @ W2[e]^T`` for one slot's activation row and ``BN`` output rows, fp32 ``[BN]``."""
+    NW: tl.constexpr = N // 8  # int32 words of codes a row
+    NS: tl.constexpr = N // 32
+    NB: tl.constexpr = BK // 32
+    j = tl.arange(0, NB)
+    q = tl.arange(0, 4)
+    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
+    r8 = tl.arange(0, 8)
+    acc = tl.zeros((BN, NB), dtype=tl.float32)
+    row_w = w_e + offs_o[:, None, None] * NW + word_off[None, :, :]
+    row_s = s_e + offs_o[:, None] * NS + j[None, :]
+    # register double buffering of the codes and scales, as in gemv1
+    bnext = j < NS
+    c = tl.load(row_w, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
+    sc = tl.load(row_s, mask=ovalid[:, None] & bnext[None, :], other=0)
+    for n0 in range(0, N, BK):
+        bvalid = (n0 // 32 + j) < NS
+        bnext = (n0 // 32 + NB + j) < NS
+        c_next = tl.load(row_w + (n0 + BK) // 8, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
+        sc_next = tl.load(row_s + (n0 + BK) // 32, mask=ovalid[:, None] & bnext[None, :], other=0)
+        av = tl.load(a_row + n0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None],
+                     other=0.0).to(tl.float32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _split8(av)
+        p = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), c, a0, a1, a2, a3, a4, a5, a6, a7)
+        acc += (tl.sum(p, axis=2) * 16384.0) * e8m0_f32(sc)
+        c, sc = c_next, sc_next
+    return tl.sum(acc, axis=1)
 
 
 @_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "expert_offset", "w_kind", "stride_om",
@@ -621,47 +659,29 @@ def gemv2_kernel(
     a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
     M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Program (token m, K tile of BN outputs): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T`` over
-    the token's local slots, rounded once to the output dtype.
-
-    The router weight (and global scale) is folded into each block's scale; foreign and padding
-    slots are skipped (their activation rows were never written)."""
+    the token's local slots in slot order, rounded once to the output dtype."""
     pid = tl.program_id(0)
     m = pid % M
     pid_n = pid // M
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     NH: tl.constexpr = N // 2
-    NW: tl.constexpr = N // 8  # int32 words of codes a row
     NS: tl.constexpr = N // 32
-    NB: tl.constexpr = BK // 32
     m64 = m.to(tl.int64)
-    j = tl.arange(0, NB)
-    q = tl.arange(0, 4)
-    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
-    r8 = tl.arange(0, 8)
-    acc = tl.zeros((BN, NB), dtype=tl.float32)
+    total = tl.zeros((BN,), dtype=tl.float32)
     for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
         gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
         e, ours = local_expert(gid, expert_offset, E)
         if ours:
-            rw = load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind) * 16384.0
+            w_e = (w_ptr + e * (K * NH)).to(tl.pointer_type(tl.int32))
+            s_e = s_ptr + e * (K * NS)
+            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_e, s_e, offs_o, ovalid, N, BN, BK)
             if HAS_GS:
-                rw = rw * tl.load(gs_ptr + e)
-            w_row = (w_ptr + e * (K * NH)).to(tl.pointer_type(tl.int32)) + offs_o[:, None, None] * NW + word_off[None, :, :]
-            s_row = s_ptr + e * (K * NS) + offs_o[:, None] * NS + j[None, :]
-            a_row = a_ptr + (m64 * TOPK + jj) * N + 8 * word_off[:, :, None] + r8[None, None, :]
-            for n0 in tl.range(0, N, BK, num_stages=STAGES):
-                bvalid = (n0 // 32 + j) < NS  # [NB]
-                c = tl.load(w_row + n0 // 8, mask=ovalid[:, None, None] & bvalid[None, :, None], other=0)
-                sc = tl.load(s_row + n0 // 32, mask=ovalid[:, None] & bvalid[None, :], other=0)
-                av = tl.load(a_row + n0, mask=bvalid[:, None, None], other=0.0).to(tl.float32)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _split8(av)
-                p = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), c, a0, a1, a2, a3, a4, a5, a6, a7)
-                acc += tl.sum(p, axis=2) * (e8m0_f32(sc) * rw)
-    total = tl.sum(acc, axis=1)
+                y = y * tl.load(gs_ptr + e)
+            total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
     tl.store(out_ptr + m64 * stride_om + offs_o, f32_to_half_bits(total, out_fp16), mask=ovalid)
 
 

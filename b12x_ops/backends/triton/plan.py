@@ -93,12 +93,11 @@ GEMV_MAX_SLOTS = 64
 GEMV_MAX_TOKENS = 8
 # GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 32; bk: K step, a multiple of
 # 32; warps; stages), gemv2 (bn: K outputs; bk: N step). At small M there are few programs (slots
-# x tiles), so each must keep many bytes in flight: the K loop is a software pipeline of
-# ``stages`` asynchronous copies into shared memory, which holds them without registers (a
-# program then needs 50-80 registers instead of 140-230, and several share an SM). The first of
-# each list is the default (``benchmarks/sweep_gemv.py``).
-_GEMV1 = ((32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 128, 4, 4))
-_GEMV2 = ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 4, 3))
+# x tiles), so each must keep many bytes in flight (double-buffered loads of 16-32 KB a step);
+# with fewer than ~1.5 programs an SM the larger step wins. (No tl.dot: stages stay 1.)
+_GEMV1 = ((32, 256, 4, 1), (32, 1024, 8, 1), (64, 256, 8, 1), (32, 512, 8, 1))
+_GEMV2 = ((8, 1024, 4, 1), (16, 1024, 4, 1), (8, 512, 4, 1), (16, 512, 4, 1))
+_FEW_PROGRAMS = 200
 
 
 def use_gemv(tokens: int, geometry, mode=None) -> bool:
@@ -109,8 +108,13 @@ def use_gemv(tokens: int, geometry, mode=None) -> bool:
 
 
 def gemv_config(tokens: int, geometry) -> Config:
-    """The default GEMV tiles."""
-    return Config(1, *_GEMV1[0], *_GEMV2[0], False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
+    """The default GEMV tiles: the larger K step where a kernel has few programs."""
+    g = geometry
+    few1 = tokens * g.top_k * -(-g.intermediate_size // 32) < _FEW_PROGRAMS
+    few2 = tokens * -(-g.hidden_size // 16) < _FEW_PROGRAMS
+    g1 = _GEMV1[1] if few1 else _GEMV1[0]
+    g2 = _GEMV2[0] if few2 else _GEMV2[1]
+    return Config(1, *g1, *g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
 def default_config(tokens: int, geometry, gemv=None) -> Config:
@@ -337,12 +341,11 @@ class GeometryPlans:
             ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                               UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                              BN=cfg.bn1, BK=cfg.bk1, STAGES=cfg.stages1),
+                                              BN=cfg.bn1, BK=cfg.bk1),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2" and cfg.gemv:
             ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                              HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
-                                              STAGES=cfg.stages2),
+                                              HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2),
                         cfg.warps2, cfg.stages2)
         elif kind == "gemm1" and self.fp8:
             ln = Launch(K_.gemm1_fp8_kernel,
