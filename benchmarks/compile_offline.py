@@ -104,8 +104,8 @@ def main(argv=None):
     for name in args.geometries:
         geo = GEOMETRIES[name]
         g = _geometry(geo)
-        gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fp8=args.fp8)
-        gp.ptx = True  # what a GPU prepare with fast scales chooses
+        gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fp8=args.fp8, fold=True)
+        gp.ptx = gp.fold = True  # what a GPU prepare with usual scales (bytes in [2, 128]) chooses
         gp.dot_dtype = triton.language.bfloat16
         done = set()
         for M in args.sizes:

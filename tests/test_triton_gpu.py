@@ -215,9 +215,11 @@ def test_gpu_gemv_path_matches_reference_and_blocked(name):
         assert rel_l2(out, b12x_ops.moe_w4a8(x2, ids2, w2, ref)) <= 1e-2
 
 
-def test_gpu_ptx_decode_is_exact_for_every_code_and_scale():
+@pytest.mark.parametrize("fold, top", [(False, 252), (True, 128)])
+def test_gpu_ptx_decode_is_exact_for_every_code_and_scale(fold, top):
     """The inline-PTX MXFP4 decode against the package's dequantizer, bit for bit: every code byte
-    (both nibbles, signed zeros included) with every scale byte of its range [2, 252]."""
+    (both nibbles, signed zeros included) with every scale byte of its range ([2, 252], or [2, 128]
+    with the bias folded into the scale)."""
     import triton
     import triton.language as tl
 
@@ -225,33 +227,36 @@ def test_gpu_ptx_decode_is_exact_for_every_code_and_scale():
     from b12x_ops.mx import dequantize_mxfp4
 
     @triton.jit
-    def _decode(c_ptr, s_ptr, e_ptr, o_ptr, R: tl.constexpr, BKH: tl.constexpr):
+    def _decode(c_ptr, s_ptr, e_ptr, o_ptr, R: tl.constexpr, BKH: tl.constexpr, FOLD: tl.constexpr):
         r = tl.arange(0, R)
         h = tl.arange(0, BKH)
         s = tl.arange(0, BKH // 16)
         codes = tl.load(c_ptr + r[:, None] * BKH + h[None, :])
         sc = tl.load(s_ptr + r[:, None] * (BKH // 16) + s[None, :])
-        ev, od = decode_mxfp4_pair_ptx(codes, sc, R, BKH)
+        ev, od = decode_mxfp4_pair_ptx(codes, sc, R, BKH, FOLD)
         tl.store(e_ptr + r[:, None] * BKH + h[None, :], ev)
         tl.store(o_ptr + r[:, None] * BKH + h[None, :], od)
 
     R, BKH = 256, 256
     codes = torch.arange(256, dtype=torch.uint8).repeat(R, 1)  # every code byte in every row
     codes = torch.stack([c.roll(i) for i, c in enumerate(codes)])  # at every column
-    scales = (2 + torch.arange(R * BKH // 16) % 251).to(torch.uint8).view(R, BKH // 16)  # 2..252
+    scales = (2 + torch.arange(R * BKH // 16) % (top - 1)).to(torch.uint8).view(R, BKH // 16)  # 2..top
     ev = torch.empty(R, BKH, dtype=torch.bfloat16, device="cuda")
     od = torch.empty_like(ev)
-    _decode[(1,)](codes.cuda(), scales.cuda(), ev, od, R=R, BKH=BKH, num_warps=4)
+    _decode[(1,)](codes.cuda(), scales.cuda(), ev, od, R=R, BKH=BKH, FOLD=fold, num_warps=4)
     want = dequantize_mxfp4(codes, scales).to(torch.bfloat16)
     assert torch.equal(ev.cpu(), want[:, 0::2]) and torch.equal(od.cpu(), want[:, 1::2])
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-120b", "odd-ep"])
-def test_gpu_ptx_and_triton_decodes_agree(name):
-    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+@pytest.mark.parametrize("name, scale_range", [("gpt-oss-120b", (118, 125)), ("odd-ep", (118, 125)),
+                                               ("odd-ep", (100, 200))])
+def test_gpu_ptx_and_triton_decodes_agree(name, scale_range):
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", scale_range=scale_range, **GEOMETRIES[name])
     ref = layer.prepare(backend="reference")
     hs = {p: layer.prepare(backend="triton", tune=False, gemv=False, ptx=p, max_tokens=512) for p in (True, False)}
     assert hs[True]._state.plans.ptx and not hs[False]._state.plans.ptx
+    # scale bytes up to 128 take the decode with the bias folded into the scale, larger ones not
+    assert hs[True]._state.plans.fold == (scale_range[1] <= 128)
     for i, M in enumerate((3, 100, 512)):
         x, ids, w = make_batch(layer, M, seed=60 + i, device="cuda", padding_rows=1)
         want = b12x_ops.moe_w4a8(x, ids, w, ref)

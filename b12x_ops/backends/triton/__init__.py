@@ -94,15 +94,18 @@ def prepare(spec) -> State:
 
     # Scale bytes in [2, 252] take the integer decode (the scale folded into the exponent); a
     # checkpoint with others gets kernels of its own (the geometry key includes the choice).
-    fast = all(int(t.min()) >= 2 and int(t.max()) <= 252 for t in (spec.w13_scale, spec.w2_scale))
+    lo = min(int(t.min()) for t in (spec.w13_scale, spec.w2_scale))
+    hi = max(int(t.max()) for t in (spec.w13_scale, spec.w2_scale))
+    fast = lo >= 2 and hi <= 252
+    fold = lo >= 2 and hi <= 128  # (the usual case: weight scales of at most 2)
     if fp8 and on_gpu and torch.cuda.get_device_capability(g.device) < (8, 9):
         cc = torch.cuda.get_device_capability(g.device)
         raise ValueError(f"prepare_experts: backend 'triton' option fp8: needs fp8 tensor cores (compute capability "
                          f"8.9 or newer), the device has {cc[0]}.{cc[1]}")
-    key = (g, fast, gemv, ptx, bool(fp8))
+    key = (g, fast, fold, gemv, ptx, bool(fp8))
     shared = _SHARED.get(key)
     if shared is None:
-        shared = P.GeometryPlans(g, fast, gemv, ptx, fp8=bool(fp8))
+        shared = P.GeometryPlans(g, fast, gemv, ptx, fp8=bool(fp8), fold=fold)
         _SHARED[key] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 

@@ -300,7 +300,7 @@ def gemm1_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
-    PTX: tl.constexpr = False,
+    PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN columns of up and of gate): ``dq8(silu(gate) * up)`` of the
     block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX. ``xs`` and
@@ -338,7 +338,7 @@ def gemm1_kernel(
         cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
         su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
         if PTX:
-            ue, uo = decode_mxfp4_pair_ptx(cu, su, BN, BKH)
+            ue, uo = decode_mxfp4_pair_ptx(cu, su, BN, BKH, FOLD)
         else:
             ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE, FAST)
         acc_u = tl.dot(ue, xe, acc_u)
@@ -346,7 +346,7 @@ def gemm1_kernel(
         cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
         sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
         if PTX:
-            ge, go = decode_mxfp4_pair_ptx(cg, sg, BN, BKH)
+            ge, go = decode_mxfp4_pair_ptx(cg, sg, BN, BKH, FOLD)
         else:
             ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE, FAST)
         acc_g = tl.dot(ge, xe, acc_g)
@@ -362,7 +362,7 @@ def gemm2_kernel(
     nblocks,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
-    PTX: tl.constexpr = False,
+    PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
@@ -397,7 +397,7 @@ def gemm2_kernel(
         sm = ovalid[:, None] & ((n0 // 32 + offs_s) < NS)[None, :]
         s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=sm, other=0)
         if PTX:
-            we, wo = decode_mxfp4_pair_ptx(c, s, BN, BKH)
+            we, wo = decode_mxfp4_pair_ptx(c, s, BN, BKH, FOLD)
         else:
             we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
         acc = tl.dot(we, ae, acc)

@@ -83,20 +83,25 @@ def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, O
 #    scale ``2^(byte - 127)`` (the byte shifted into a bf16 exponent field) the weight, exactly for
 #    bytes in [2, 252] (every product stays a normal bf16).
 # About 30 integer and bf16x2 instructions for 8 weights, against ~10 an element in Triton ops.
-def _decode_ptx_source() -> str:
+# With ``fold`` (scale bytes in [2, 128]) the 2^126 is folded into the scale, ``2^(byte - 1)``
+# (exponent field byte + 126, still a normal bf16), so each output register takes one fma instead
+# of two: 26 instructions for 8 weights. ``tests/test_ptx_decode.py`` runs both strings on an
+# emulator of these instructions against the package's dequantizer on this CPU.
+def _decode_ptx_source(fold: bool = False) -> str:
     """The asm described above: the scale pairs, then per output register (even pairs from the low
-    nibbles, odd pairs from the high ones shifted down) prmt, two shifts, lop3 and two fma."""
+    nibbles, odd pairs from the high ones shifted down) prmt, two shifts, lop3 and two fma (one
+    with ``fold``)."""
     lines = [
         "{",
-        ".reg .b32 lo, hi, t, u, s01, s23, h, msk, bias, nz;",
+        ".reg .b32 lo, hi, t, u, s01, s23, h, msk, nz;" if fold else ".reg .b32 lo, hi, t, u, s01, s23, h, msk, bias, nz;",
         "mov.b32 msk, 0x81C081C0;",
-        "mov.b32 bias, 0x7E807E80;",
+        *([] if fold else ["mov.b32 bias, 0x7E807E80;"]),
         "mov.b32 nz, 0x80008000;",
-        "prmt.b32 s01, $5, 0, 0x4140;",
-        "shl.b32 s01, s01, 7;",
-        "prmt.b32 s23, $5, 0, 0x4342;",
-        "shl.b32 s23, s23, 7;",
     ]
+    for reg, sel in (("s01", "0x4140"), ("s23", "0x4342")):
+        lines.append(f"prmt.b32 {reg}, $5, 0, {sel};")
+        # the bytes as bf16 exponent fields: 2^(byte - 127), or with fold 2^(byte - 1)
+        lines.append(f"mad.lo.u32 {reg}, {reg}, 128, 0x3F003F00;" if fold else f"shl.b32 {reg}, {reg}, 7;")
     for src, outs in (("$4", ("$0", "$1")), ("h", ("$2", "$3"))):
         if src == "h":  # the high nibbles, moved to the low ones
             lines += ["shr.b32 h, $4, 4;", "and.b32 h, h, 0x0F0F0F0F;"]
@@ -106,22 +111,29 @@ def _decode_ptx_source() -> str:
                 f"shl.b32 t, {reg}, 6;",
                 f"shl.b32 u, {reg}, 12;",
                 "lop3.b32 t, t, u, msk, 0xA8;",
-                "fma.rn.bf16x2 t, t, bias, nz;",
+                *([] if fold else ["fma.rn.bf16x2 t, t, bias, nz;"]),
                 f"fma.rn.bf16x2 {out}, t, {scale}, nz;",
             ]
     return "\n".join(["", *lines, "}", ""])
 
 
 _DECODE_PTX = tl.constexpr(_decode_ptx_source())
+_DECODE_PTX_FOLD = tl.constexpr(_decode_ptx_source(fold=True))
 
 
 @triton.jit
-def decode_mxfp4_pair_ptx(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr):
-    """``decode_mxfp4_pair`` (bf16, scale bytes in [2, 252]) in inline PTX: same ``(even, odd)``."""
+def decode_mxfp4_pair_ptx(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, FOLD: tl.constexpr = False):
+    """``decode_mxfp4_pair`` (bf16, scale bytes in [2, 252], or [2, 128] with ``FOLD``) in inline
+    PTX: same ``(even, odd)``."""
     sc = tl.reshape(tl.broadcast_to(scale_bytes[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
-    even, odd = tl.inline_asm_elementwise(
-        _DECODE_PTX, constraints="=r,=r,=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
+    if FOLD:
+        even, odd = tl.inline_asm_elementwise(
+            _DECODE_PTX_FOLD, constraints="=r,=r,=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4)
+    else:
+        even, odd = tl.inline_asm_elementwise(
+            _DECODE_PTX, constraints="=r,=r,=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4)
     return even, odd
 
 

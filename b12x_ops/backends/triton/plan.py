@@ -263,7 +263,8 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False, fp8: bool = False):
+    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False, fp8: bool = False,
+                 fold: bool = False):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
         # the blocked GEMMs decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
@@ -272,6 +273,8 @@ class GeometryPlans:
         self.fp8 = bool(fp8)
         # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
         self.fast_scales = fast_scales
+        # scale bytes in [2, 128]: the PTX decode folds its 2^126 into the scale (one fma a pair less)
+        self.fold = bool(fold and self.ptx)
         self.configs: dict[int, Config] = {}
         self.caps: list[int] = []
         self.launches: dict[tuple, Launch] = {}
@@ -363,13 +366,13 @@ class GeometryPlans:
                         dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                              HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
                              BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales,
-                             PTX=self.ptx),
+                             PTX=self.ptx, FOLD=self.fold),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
             ln = Launch(K_.gemm2_kernel,
                         dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                              BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales,
-                             PTX=self.ptx),
+                             PTX=self.ptx, FOLD=self.fold),
                         cfg.warps2, cfg.stages2)
         else:
             f = FINALIZE
