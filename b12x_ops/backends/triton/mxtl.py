@@ -70,11 +70,13 @@ def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, O
 
 
 # Inline PTX decode of MXFP4 to bf16 for the tensor-core GEMMs (GPU only; the interpreter and
-# checkpoints with scale bytes outside [2, 252] take ``decode_mxfp4_pair``). One instance takes 4
-# code bytes and their 4 scale bytes (one 32-bit register each) and returns, per byte, its low
-# nibble's value (``even``) and its high nibble's (``odd``), two bf16 per register:
-#  * ``prmt`` spreads two code bytes 16 bits apart (bytes 0,1 -> bits 0 and 16); the odd nibbles
-#    are first shifted down and masked;
+# checkpoints with scale bytes outside [2, 252] take ``decode_mxfp4_pair``). One instance takes 2
+# code bytes and their 2 scale bytes (the low half of one 32-bit register each: the two bytes a
+# thread holds side by side in the MMA operand layout, so no bytes are gathered from other
+# registers) and returns two bf16 pairs: the bytes' low nibbles' values (``even``) and their high
+# nibbles' (``odd``):
+#  * ``prmt`` spreads the two code bytes 16 bits apart (bytes 0, 1 -> bits 0 and 16); for the odd
+#    pair they are then shifted down by 4 and masked;
 #  * two shifts place a nibble's magnitude bits ``e1 e0 m`` at bf16 bits 8..6 and its sign at bit
 #    15, in both halves at once, and one ``lop3`` keeps exactly those bits ((a | b) & mask: each
 #    shifted copy is zero where the other one's bits are kept). The bf16 read that way is the E2M1
@@ -82,38 +84,34 @@ def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, O
 #  * ``fma.rn.bf16x2`` by 2^126 (both halves) gives the E2M1 value exactly, a second one by the
 #    scale ``2^(byte - 127)`` (the byte shifted into a bf16 exponent field) the weight, exactly for
 #    bytes in [2, 252] (every product stays a normal bf16).
-# About 30 integer and bf16x2 instructions for 8 weights, against ~10 an element in Triton ops.
-# With ``fold`` (scale bytes in [2, 128]) the 2^126 is folded into the scale, ``2^(byte - 1)``
-# (exponent field byte + 126, still a normal bf16), so each output register takes one fma instead
-# of two: 26 instructions for 8 weights. ``tests/test_ptx_decode.py`` runs both strings on an
-# emulator of these instructions against the package's dequantizer on this CPU.
+# With ``fold`` (scale bytes in [2, 128], the usual checkpoint) the 2^126 is folded into the scale,
+# ``2^(byte - 1)`` (exponent field byte + 126, still a normal bf16), so each pair takes one fma:
+# 16 instructions for 4 weights. ``tests/test_ptx_decode.py`` runs both strings on an emulator of
+# these instructions against the package's dequantizer on the CPU.
 def _decode_ptx_source(fold: bool = False) -> str:
-    """The asm described above: the scale pairs, then per output register (even pairs from the low
-    nibbles, odd pairs from the high ones shifted down) prmt, two shifts, lop3 and two fma (one
-    with ``fold``)."""
+    """The asm described above: the scale pair, then for the even and for the odd pair two shifts,
+    lop3 and two fma (one with ``fold``)."""
     lines = [
         "{",
-        ".reg .b32 lo, hi, t, u, s01, s23, h, msk, nz;" if fold else ".reg .b32 lo, hi, t, u, s01, s23, h, msk, bias, nz;",
+        ".reg .b32 r, h, t, u, s, msk, nz;" if fold else ".reg .b32 r, h, t, u, s, msk, bias, nz;",
         "mov.b32 msk, 0x81C081C0;",
         *([] if fold else ["mov.b32 bias, 0x7E807E80;"]),
         "mov.b32 nz, 0x80008000;",
-    ]
-    for reg, sel in (("s01", "0x4140"), ("s23", "0x4342")):
-        lines.append(f"prmt.b32 {reg}, $5, 0, {sel};")
+        "prmt.b32 s, $3, 0, 0x4140;",
         # the bytes as bf16 exponent fields: 2^(byte - 127), or with fold 2^(byte - 1)
-        lines.append(f"mad.lo.u32 {reg}, {reg}, 128, 0x3F003F00;" if fold else f"shl.b32 {reg}, {reg}, 7;")
-    for src, outs in (("$4", ("$0", "$1")), ("h", ("$2", "$3"))):
-        if src == "h":  # the high nibbles, moved to the low ones
-            lines += ["shr.b32 h, $4, 4;", "and.b32 h, h, 0x0F0F0F0F;"]
-        for (reg, sel, scale), out in zip((("lo", "0x4140", "s01"), ("hi", "0x4342", "s23")), outs):
-            lines += [
-                f"prmt.b32 {reg}, {src}, 0, {sel};",
-                f"shl.b32 t, {reg}, 6;",
-                f"shl.b32 u, {reg}, 12;",
-                "lop3.b32 t, t, u, msk, 0xA8;",
-                *([] if fold else ["fma.rn.bf16x2 t, t, bias, nz;"]),
-                f"fma.rn.bf16x2 {out}, t, {scale}, nz;",
-            ]
+        "mad.lo.u32 s, s, 128, 0x3F003F00;" if fold else "shl.b32 s, s, 7;",
+        "prmt.b32 r, $2, 0, 0x4140;",
+        "shr.b32 h, r, 4;",
+        "and.b32 h, h, 0x000F000F;",
+    ]
+    for src, out in (("r", "$0"), ("h", "$1")):
+        lines += [
+            f"shl.b32 t, {src}, 6;",
+            f"shl.b32 u, {src}, 12;",
+            "lop3.b32 t, t, u, msk, 0xA8;",
+            *([] if fold else ["fma.rn.bf16x2 t, t, bias, nz;"]),
+            f"fma.rn.bf16x2 {out}, t, s, nz;",
+        ]
     return "\n".join(["", *lines, "}", ""])
 
 
@@ -128,12 +126,12 @@ def decode_mxfp4_pair_ptx(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexp
     sc = tl.reshape(tl.broadcast_to(scale_bytes[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
     if FOLD:
         even, odd = tl.inline_asm_elementwise(
-            _DECODE_PTX_FOLD, constraints="=r,=r,=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=4)
+            _DECODE_PTX_FOLD, constraints="=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=2)
     else:
         even, odd = tl.inline_asm_elementwise(
-            _DECODE_PTX, constraints="=r,=r,=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=4)
+            _DECODE_PTX, constraints="=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=2)
     return even, odd
 
 
