@@ -1,7 +1,7 @@
 """The inline-PTX MXFP4 decode (``mxtl._decode_ptx_source``) run on this CPU.
 
-A small emulator executes the asm's instructions (mov, prmt, shl, shr, and, mad.lo, lop3 and
-fma.rn.bf16x2) on every code byte with every scale byte its variant accepts, and compares the
+A small emulator executes the asm's instructions (mov, prmt, shl, shr, and, mad.lo, mul.lo, lop3
+and fma.rn.bf16x2) on every code byte with every scale byte its variant accepts, and compares the
 bf16 results bit for bit with the package's dequantizer. On a GPU, ``test_triton_gpu.py`` checks
 the same strings compiled by ptxas.
 """
@@ -78,6 +78,8 @@ def run_asm(src: str, inputs: dict[str, int]) -> dict[str, int]:
             r = xs[0] & xs[1]
         elif op == "mad.lo.u32":
             r = (xs[0] * xs[1] + xs[2]) & M32
+        elif op == "mul.lo.u32":
+            r = (xs[0] * xs[1]) & M32
         elif op == "lop3.b32":
             r = _lop3(*xs)
         elif op == "fma.rn.bf16x2":  # each half: a * b + c rounded once (exact here: checked)
@@ -89,17 +91,24 @@ def run_asm(src: str, inputs: dict[str, int]) -> dict[str, int]:
     return regs
 
 
+def ptx_scale_pair(b0: int, b1: int, fold: bool) -> int:
+    """The bf16 scale pair ``mxtl._ptx_scales`` makes of two scale bytes (its arithmetic, here)."""
+    e0, e1 = (b + 126 if fold else b for b in (b0, b1))
+    return ((e0 << 7) & 0xFFFF) | (((e1 << 7) & 0xFFFF) << 16)
+
+
 @pytest.mark.parametrize("fold, scales", [(False, range(2, 253)), (True, range(2, 129))])
 def test_ptx_decode_is_exact_on_the_emulator(fold, scales):
     src = _decode_ptx_source(fold)
     assert len(re.findall(r"^fma", src, re.M)) == (2 if fold else 4)
+    assert len([ln for ln in src.splitlines() if re.match(r"[a-z]", ln) and not ln.startswith("mov")]) == (10 if fold else 12)
     codes = torch.arange(256, dtype=torch.uint8)
     for s in scales:
         want = dequantize_mxfp4(codes.view(1, 256), torch.full((1, 16), s, dtype=torch.uint8)).to(torch.bfloat16)[0]
         for i in range(0, 256, 2):
             # two code bytes and their scale bytes in the low halves; the high halves hold garbage
             word = i | ((i + 1) << 8) | (0xA5C3 << 16)
-            out = run_asm(src, {"$2": word, "$3": s | (s << 8) | (0x5A3C << 16)})
+            out = run_asm(src, {"$2": word, "$3": ptx_scale_pair(s, s, fold)})
             got = torch.tensor([out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16],
                                dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
             el = want[2 * i: 2 * i + 4]  # elements 2j (low nibble of byte j) and 2j + 1
@@ -110,7 +119,7 @@ def test_ptx_decode_is_exact_on_the_emulator(fold, scales):
 def test_ptx_decode_scales_per_byte():
     """Each code byte takes its own scale byte."""
     src = _decode_ptx_source(True)
-    out = run_asm(src, {"$2": 0x2202, "$3": 0x7F7C})  # codes 2 (1.0) and 0x22: 1.0 in both nibbles
+    out = run_asm(src, {"$2": 0x2202, "$3": ptx_scale_pair(0x7C, 0x7F, True)})  # codes 2 (1.0) and 0x22
     assert _bf16_halves(out["$0"]).tolist() == [2.0 ** -3, 1.0]
     assert _bf16_halves(out["$1"]).tolist() == [0.0, 1.0]
 
@@ -119,5 +128,5 @@ def test_ptx_decode_fold_range_is_tight():
     """Folding 2^126 into the scale needs scale bytes <= 128: at 129 the largest code overflows
     bf16's exponent (the emulator sees the difference, so the tests above can fail)."""
     src = _decode_ptx_source(True)
-    out = run_asm(src, {"$2": 0x0707, "$3": 0x8181})  # code 7 (6.0), scale byte 129
+    out = run_asm(src, {"$2": 0x0707, "$3": ptx_scale_pair(129, 129, True)})  # code 7 (6.0), scale byte 129
     assert _bf16_halves(out["$0"]).tolist() != [6.0 * 4.0, 6.0 * 4.0]

@@ -71,48 +71,54 @@ def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, O
 
 # Inline PTX decode of MXFP4 to bf16 for the tensor-core GEMMs (GPU only; the interpreter and
 # checkpoints with scale bytes outside [2, 252] take ``decode_mxfp4_pair``). One instance takes 2
-# code bytes and their 2 scale bytes (the low half of one 32-bit register each: the two bytes a
-# thread holds side by side in the MMA operand layout, so no bytes are gathered from other
-# registers) and returns two bf16 pairs: the bytes' low nibbles' values (``even``) and their high
+# code bytes (the low half of a 32-bit register: the two bytes a thread holds side by side in the
+# MMA operand layout, so no bytes are gathered from other registers) and their two scales as a
+# bf16 pair, and returns two bf16 pairs: the bytes' low nibbles' values (``even``) and their high
 # nibbles' (``odd``):
-#  * ``prmt`` spreads the two code bytes 16 bits apart (bytes 0, 1 -> bits 0 and 16); for the odd
-#    pair they are then shifted down by 4 and masked;
-#  * two shifts place a nibble's magnitude bits ``e1 e0 m`` at bf16 bits 8..6 and its sign at bit
-#    15, in both halves at once, and one ``lop3`` keeps exactly those bits ((a | b) & mask: each
-#    shifted copy is zero where the other one's bits are kept). The bf16 read that way is the E2M1
-#    value times 2^-126 (exponent field e1 e0; e1 e0 = 0 is a subnormal, which bf16 arithmetic keeps);
-#  * ``fma.rn.bf16x2`` by 2^126 (both halves) gives the E2M1 value exactly, a second one by the
-#    scale ``2^(byte - 127)`` (the byte shifted into a bf16 exponent field) the weight, exactly for
-#    bytes in [2, 252] (every product stays a normal bf16).
+#  * ``prmt`` spreads the two code bytes 16 bits apart (bytes 0, 1 -> bits 0 and 16);
+#  * even pair: two shifts place the low nibble's magnitude bits ``e1 e0 m`` at bf16 bits 8..6 and
+#    its sign at bit 15, in both halves at once, and one ``lop3`` keeps exactly those bits
+#    ((a | b) & mask: each shifted copy is zero where the other one's bits are kept);
+#  * odd pair: the high nibbles are shifted down and masked to 4 bits each; one multiply by
+#    2^6 + 2^12 then makes both shifted copies at once (they do not overlap, so the sum is their
+#    union) and an ``and`` with the same mask keeps the bits;
+#  * the bf16 read that way is the E2M1 value times 2^-126 (exponent field e1 e0; e1 e0 = 0 is a
+#    subnormal, which bf16 arithmetic keeps); ``fma.rn.bf16x2`` by 2^126 gives the E2M1 value
+#    exactly, a second one by the scale ``2^(byte - 127)`` the weight, exactly for bytes in
+#    [2, 252] (every product stays a normal bf16).
 # With ``fold`` (scale bytes in [2, 128], the usual checkpoint) the 2^126 is folded into the scale,
 # ``2^(byte - 1)`` (exponent field byte + 126, still a normal bf16), so each pair takes one fma:
-# 16 instructions for 4 weights. ``tests/test_ptx_decode.py`` runs both strings on an emulator of
-# these instructions against the package's dequantizer on the CPU.
+# 10 instructions for 4 weights. The scales are made from their bytes once per 32-element block
+# outside the asm (``_ptx_scales``). ``tests/test_ptx_decode.py`` runs both strings on an emulator
+# of these instructions against the package's dequantizer on the CPU.
 def _decode_ptx_source(fold: bool = False) -> str:
-    """The asm described above: the scale pair, then for the even and for the odd pair two shifts,
-    lop3 and two fma (one with ``fold``)."""
-    lines = [
+    """The asm described above: the spread code bytes, then the even and the odd pair (one fma
+    each by the scale pair ``$3``, two without ``fold``)."""
+    bias = [] if fold else ["fma.rn.bf16x2 t, t, bias, nz;"]
+    return "\n".join([
+        "",
         "{",
-        ".reg .b32 r, h, t, u, s, msk, nz;" if fold else ".reg .b32 r, h, t, u, s, msk, bias, nz;",
+        ".reg .b32 r, t, u, msk, nz;" if fold else ".reg .b32 r, t, u, msk, bias, nz;",
         "mov.b32 msk, 0x81C081C0;",
         *([] if fold else ["mov.b32 bias, 0x7E807E80;"]),
         "mov.b32 nz, 0x80008000;",
-        "prmt.b32 s, $3, 0, 0x4140;",
-        # the bytes as bf16 exponent fields: 2^(byte - 127), or with fold 2^(byte - 1)
-        "mad.lo.u32 s, s, 128, 0x3F003F00;" if fold else "shl.b32 s, s, 7;",
         "prmt.b32 r, $2, 0, 0x4140;",
-        "shr.b32 h, r, 4;",
-        "and.b32 h, h, 0x000F000F;",
-    ]
-    for src, out in (("r", "$0"), ("h", "$1")):
-        lines += [
-            f"shl.b32 t, {src}, 6;",
-            f"shl.b32 u, {src}, 12;",
-            "lop3.b32 t, t, u, msk, 0xA8;",
-            *([] if fold else ["fma.rn.bf16x2 t, t, bias, nz;"]),
-            f"fma.rn.bf16x2 {out}, t, s, nz;",
-        ]
-    return "\n".join(["", *lines, "}", ""])
+        # even: the low nibbles
+        "shl.b32 t, r, 6;",
+        "shl.b32 u, r, 12;",
+        "lop3.b32 t, t, u, msk, 0xA8;",
+        *bias,
+        "fma.rn.bf16x2 $0, t, $3, nz;",
+        # odd: the high nibbles, isolated; (t << 6) | (t << 12) as one multiply
+        "shr.b32 t, r, 4;",
+        "and.b32 t, t, 0x000F000F;",
+        "mul.lo.u32 t, t, 0x1040;",
+        "and.b32 t, t, msk;",
+        *bias,
+        "fma.rn.bf16x2 $1, t, $3, nz;",
+        "}",
+        "",
+    ])
 
 
 _DECODE_PTX = tl.constexpr(_decode_ptx_source())
@@ -120,10 +126,21 @@ _DECODE_PTX_FOLD = tl.constexpr(_decode_ptx_source(fold=True))
 
 
 @triton.jit
+def _ptx_scales(scale_bytes, FOLD: tl.constexpr):
+    """The bf16 scales the PTX decode multiplies by: ``2^(byte - 127)``, or ``2^(byte - 1)`` with
+    ``FOLD`` (the byte, or byte + 126, as the exponent field)."""
+    b = scale_bytes.to(tl.int32)
+    if FOLD:
+        b = b + 126
+    return (b << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def decode_mxfp4_pair_ptx(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, FOLD: tl.constexpr = False):
     """``decode_mxfp4_pair`` (bf16, scale bytes in [2, 252], or [2, 128] with ``FOLD``) in inline
     PTX: same ``(even, odd)``."""
-    sc = tl.reshape(tl.broadcast_to(scale_bytes[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
+    sb = _ptx_scales(scale_bytes, FOLD)
+    sc = tl.reshape(tl.broadcast_to(sb[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
     if FOLD:
         even, odd = tl.inline_asm_elementwise(
             _DECODE_PTX_FOLD, constraints="=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
