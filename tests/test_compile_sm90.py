@@ -1,0 +1,78 @@
+"""The Triton backend's stage kernels compile for sm_90 on this CPU-only machine.
+
+Triton's wheel carries ptxas, so ``benchmarks/compile_offline.py`` can compile a prepare's launches
+for a GPU that is not here. The interpreter suite checks the kernels' arithmetic; this checks what
+the interpreter never sees: the inline PTX (its constraints, registers and instructions as ptxas
+reads them), the GPU-only constexpr branches, and the asynchronous-copy pipelines of the GEMMs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def offline():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("compile tests need the compiler, not the interpreter (unset TRITON_INTERPRET)")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import compile_offline
+    finally:
+        sys.path.pop(0)
+    return compile_offline
+
+
+GEOMETRIES = {  # the benchmark's three layers (benchmarks/bench_moe.py)
+    "gpt-oss-120b": dict(E=128, K=2880, N=2880, top_k=4, limit=7.0),
+    "dsv4.1-tp4": dict(E=384, K=5120, N=576, top_k=6, limit=10.0),
+    "qwen3-30b-a3b": dict(E=128, K=2048, N=768, top_k=8, limit=None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+@pytest.mark.parametrize("fold", [True, False])
+def test_default_launches_compile_for_sm90(offline, name, fold):
+    import triton
+
+    from b12x_ops.backends.triton import plan as P
+
+    g = offline._geometry(GEOMETRIES[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=fold)
+    gp.ptx, gp.fold, gp.dot_dtype = True, fold, triton.language.bfloat16  # a GPU prepare's choices
+    seen = {}
+    for M in (1, 64, 8192):
+        for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(P.default_config(M, g))):
+            if ln is not None and id(ln) not in seen:
+                seen[id(ln)] = (stage, offline.compile_launch(ln, 90, False))
+    kinds = {ck.metadata.name for _, ck in seen.values()}
+    assert {"gemv1_kernel", "gemv2_kernel", "prologue_kernel", "gemm1_kernel", "gemm2_kernel",
+            "finalize_kernel"} <= kinds
+    for stage, ck in seen.values():
+        assert ck.asm["cubin"], stage
+        ptx = ck.asm["ptx"]
+        if ck.metadata.name in ("gemm1_kernel", "gemm2_kernel"):
+            # the inline decode, in the form the scales allow, and the GEMMs' load pipeline
+            assert ("mul.lo.u32" in ptx) and (("fma.rn.bf16x2" in ptx)), stage
+            assert (ptx.count("fma.rn.bf16x2") % 2 == 0) and ("0x7E807E80" in ptx) != fold, stage
+            assert "cp.async" in ptx, stage
+            assert "wgmma" in ptx, stage
+
+
+def test_fp8_launches_compile_for_sm90(offline):
+    from b12x_ops.backends.triton import plan as P
+
+    g = offline._geometry(GEOMETRIES["qwen3-30b-a3b"])
+    gp = P.GeometryPlans(g, True, False, ptx=True, dry=True, fp8=True)
+    for M in (64, 512):
+        for ln in gp.stages(P.default_config(M, g, gemv=False))[1:3]:
+            ck = offline.compile_launch(ln, 90, True)
+            assert ck.metadata.name in ("gemm1_fp8_kernel", "gemm2_fp8_kernel")
+            assert "e4m3" in ck.asm["ptx"]  # fp8 tensor-core MMAs
