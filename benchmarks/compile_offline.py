@@ -1,19 +1,23 @@
 """Compile the Triton backend's stage kernels for a GPU this machine does not have, and report
 what the compiler made of them: registers, spills, shared memory, async copies.
 
-    python benchmarks/compile_offline.py [--geometries ...] [--sizes 1 64 8192] [--arch 90]
+    python benchmarks/compile_offline.py [--geometries ...] [--sizes 1 64 8192] [--arch 90] [--loops]
 
 Triton compiles for any NVIDIA target without a GPU (its wheel carries ptxas), so register
 pressure and the effect of a kernel change on it can be checked here before spending device time.
 The kernels are the ones a prepare would launch (the default config per token count), with the
 pointer alignment a real launch specializes on. Numbers depend on the triton version (the device's
-triton is what counts: install the same version to compare).
+triton is what counts: install the same version to compare). ``--loops`` also counts the SASS
+instructions of each loop body by kind (a kernel's main loop per step, e.g. against the weights a
+thread decodes in that step), which is how the decode's instruction budget is tracked.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -77,6 +81,27 @@ def resources(cubin: bytes, name: str) -> str:
     return out.strip()[-200:]
 
 
+def loop_profile(cubin: bytes) -> list[tuple[int, collections.Counter]]:
+    """Per loop (a backward branch): its body's instruction count and the count of each opcode."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln) for ln in sass.splitlines()) if m]
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"BRA (?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+        if m and m.group(1) and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+            loops.append((len(body), ops))
+    return loops
+
+
 def compile_launch(launch: P.Launch, arch: int, fp8: bool):
     sig, attrs = signature(launch, fp8)
     src = ASTSource(launch.fn, sig, dict(launch.constexprs), attrs)
@@ -95,6 +120,7 @@ def main(argv=None):
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--gemv", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--stages", nargs="*", default=["prologue", "gemm1", "gemm2", "finalize"])
+    ap.add_argument("--loops", action="store_true", help="count each loop body's SASS instructions by kind")
     args = ap.parse_args(argv)
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]
@@ -124,6 +150,10 @@ def main(argv=None):
                 tiles = {k: v for k, v in ln.constexprs.items() if k.startswith("B")}
                 print(f"| {name} | {M} | {stage} | {ln.fn.__name__} | {tiles} | {ln.num_warps}/{ln.num_stages} "
                       f"| {res} | {asyncs} |", flush=True)
+                if args.loops and asyncs != "":
+                    for n, ops in loop_profile(ck.asm["cubin"]):
+                        top = ", ".join(f"{k} {v}" for k, v in ops.most_common(10))
+                        print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |", flush=True)
 
 
 def _geometry(geo):
