@@ -12,8 +12,9 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   tuner may pick either below the bound); ``True`` uses GEMV for every planned count, ``False``
   never (benchmarks compare the two this way).
 * ``ptx`` (bool or None, default None): the blocked path's GEMMs decode MXFP4 with inline PTX
-  (``mxtl.decode_mxfp4_pair_ptx``) when the checkpoint's scale bytes allow it; ``False`` uses the
-  Triton-ops decode (a benchmark and debugging switch).
+  (``mxtl.decode_mxfp4_pair_ptx``) when the checkpoint's scale bytes allow it (in [2, 252]; in
+  [2, 128], the usual case, its cheaper one-fma form); ``False`` uses the Triton-ops decode (a
+  benchmark and debugging switch).
 * ``fp8`` (bool, default False): the blocked path's GEMMs on fp8 tensor cores (``gemm1_fp8``,
   ``gemm2_fp8``: MXFP8 activations kept as bytes, weights decoded to E4M3, block scales applied to
   each K = 32 partial sum); needs sm_89 or newer. Experimental: not yet measured on a GPU.

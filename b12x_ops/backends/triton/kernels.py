@@ -303,8 +303,9 @@ def gemm1_kernel(
     PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN columns of up and of gate): ``dq8(silu(gate) * up)`` of the
-    block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX. ``xs`` and
-    ``as`` (the fp8 kernels' scale bytes) are unused: both forms take the same arguments."""
+    block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX (``FOLD``:
+    in its one-fma form, for scale bytes up to 128). ``xs`` and ``as`` (the fp8 kernels' scale
+    bytes) are unused: both forms take the same arguments."""
     pid = tl.program_id(0)
     NT: tl.constexpr = (N + BN - 1) // BN
     pid_m = pid // NT  # block-major: a block's tiles run together and share its rows in L2
