@@ -47,10 +47,21 @@ def main(argv=None):
     ap.add_argument("--bw", type=float, default=4.27e12, help="copy bandwidth in bytes/s for the limit column")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds, split evenly between the geometries")
     ap.add_argument("--out", default="sweep_gemv.md")
+    ap.add_argument("--variant", default=None,
+                    help="a module under benchmarks/ whose gemv1_kernel/gemv2_kernel replace the package's "
+                         "(e.g. experiments.joined_gemv)")
     args = ap.parse_args(argv)
+    if args.variant:
+        import importlib
+
+        from b12x_ops.backends.triton import kernels as K_
+
+        mod = importlib.import_module(args.variant)
+        K_.gemv1_kernel, K_.gemv2_kernel = mod.gemv1_kernel, mod.gemv2_kernel  # (read when launches are built)
     t_start = time.perf_counter()
     lines = [f"# GEMV-path tile sweep ({torch.cuda.get_device_name()}); us per layer, CUDA-graph replay over "
-             f"{args.layers} layers; limit at {args.bw / 1e12:.2f} TB/s", ""]
+             f"{args.layers} layers; limit at {args.bw / 1e12:.2f} TB/s"
+             f"{'; kernels from ' + args.variant if args.variant else ''}", ""]
 
     def emit(s):
         print(s, flush=True)
