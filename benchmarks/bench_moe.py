@@ -106,6 +106,19 @@ def routing(M, E, top_k, device, seed):
     return logits, ids.to(torch.int32), torch.softmax(vals, dim=1)
 
 
+def layer_batches(M, E, K, top_k, layers, device="cuda"):
+    """Per layer, a batch of ``M`` tokens for the tile sweeps: ``(xs, ids, weights, outs)`` lists
+    (bf16 inputs, routing of ``routing(..., seed 7 + layer)``, fp32 weights, bf16 output buffers)."""
+    xs, idss, wss, outs = [], [], [], []
+    for i in range(layers):
+        _, ids, w = routing(M, E, top_k, device, 7 + i)
+        xs.append(torch.randn(M, K, device=device).to(torch.bfloat16))
+        idss.append(ids)
+        wss.append(w.float())
+        outs.append(torch.empty(M, K, device=device, dtype=torch.bfloat16))
+    return xs, idss, wss, outs
+
+
 def log_host_profile(call, log, n=200):
     """Where an eager call's host time goes: cProfile over ``n`` calls, the top functions by own time."""
     import cProfile

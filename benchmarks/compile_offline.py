@@ -66,14 +66,18 @@ def signature(launch: P.Launch, fp8: bool) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def resources(cubin: bytes, name: str) -> str:
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def resources(cubin: bytes, name: str) -> str:
+    out = _cuobjdump(cubin, "-res-usage")
     lines = out.splitlines()
     for i, line in enumerate(lines):
         if name in line and i + 1 < len(lines):
@@ -83,13 +87,7 @@ def resources(cubin: bytes, name: str) -> str:
 
 def loop_profile(cubin: bytes) -> list[tuple[int, collections.Counter]]:
     """Per loop (a backward branch): its body's instruction count and the count of each opcode."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
+    sass = _cuobjdump(cubin, "-sass")
     ins = [(int(m.group(1), 16), m.group(2)) for m in
            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln) for ln in sass.splitlines()) if m]
     loops = []

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, graph_time, random_layer, routing  # noqa: E402
+from bench_moe import GEOMETRIES, graph_time, layer_batches, random_layer  # noqa: E402
 
 # (bn, bk, warps, stages): gemv1 (bn: N outputs of up and of gate, a multiple of 32), gemv2 (bn: K
 # outputs). The kernels double-buffer their loads in registers (stages stays 1).
@@ -88,13 +88,7 @@ def main(argv=None):
             if time.perf_counter() > deadline:
                 emit(f"(this geometry's {per_geo:.0f} s of the budget are spent)")
                 break
-            xs, idss, wss, outs = [], [], [], []
-            for i in range(args.layers):
-                _, ids, w = routing(M, E, top_k, "cuda", 7 + i)
-                xs.append(torch.randn(M, K, device="cuda").to(torch.bfloat16))
-                idss.append(ids)
-                wss.append(w.float())
-                outs.append(torch.empty(M, K, device="cuda", dtype=torch.bfloat16))
+            xs, idss, wss, outs = layer_batches(M, E, K, top_k, args.layers)
             distinct = sum(int(torch.unique(i_).numel()) for i_ in idss) / args.layers
             emit(f"| {M} | limit | | {distinct * expert_bytes / args.bw * 1e6:.1f} | | |")
             want = b12x_ops.moe_w4a8(xs[0], idss[0], wss[0], ref)
