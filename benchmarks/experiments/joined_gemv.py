@@ -4,10 +4,12 @@ formed on one ``[rows, blocks, 4, 8]`` tile instead of eight per-nibble slices.
 Not used by the package. Triton gives each of the eight slices ``_split8`` makes of the activation
 tile its own layout conversion into the lane-broadcast layout the weights need (TTGIR; two
 barriers each); here the decoded nibble pairs are joined in registers into the activation tile's
-own element order, so the tile is converted once a step. Compiled for sm_90 (triton 3.6, the
-default tiles at gpt-oss M = 1): gemv2 16 -> 4 barriers a step, 78 -> 64 registers, 415 -> 427
-instructions; gemv1 144 -> 122 registers (4 programs an SM instead of 3), its 11 barriers (from
-quantizing x on the fly) unchanged.
+own element order, so the tile is converted once a step. gemv1 also loads the chunk of x it
+quantizes as ``[blocks, 32]``, so a block's maximum is taken within a warp. Compiled for sm_90
+(triton 3.6, the default tiles at gpt-oss M = 1): gemv2 16 -> 4 barriers a step, 78 -> 64
+registers, 415 -> 427 instructions; gemv1 11 -> 5 barriers a step, 144 -> 123 registers (4
+programs an SM instead of 3), 707 -> 689 instructions.
+
 Same signatures as the package's kernels, so
 
     python benchmarks/sweep_gemv.py --variant experiments.joined_gemv
@@ -68,7 +70,7 @@ def gemv1_kernel(
     q = tl.arange(0, 4)  # word within the block
     word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
     x_row = x_ptr + m.to(tl.int64) * stride_xm
-    r8 = tl.arange(0, 8)
+    r32 = tl.arange(0, 32)
     acc_u = tl.zeros((BN, NB), dtype=tl.float32)
     acc_g = tl.zeros((BN, NB), dtype=tl.float32)
     up_w = w_e + up_rows[:, None, None] * KW + word_off[None, :, :]
@@ -94,10 +96,11 @@ def gemv1_kernel(
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
         # this chunk of x, quantized to MXFP8 on the fly: one vector load of 8 values a code word,
         # then split into the 8 tiles the nibbles meet (x is shared by the program's BN rows)
-        raw = tl.load(x_row + k0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None], other=0)
+        # x as [blocks, 32]: a block's maximum stays within a warp (no shared memory)
+        raw = tl.load(x_row + k0 + 32 * j[:, None] + r32[None, :], mask=bvalid[:, None], other=0)
         xv = half_bits_to_f32(raw, x_fp16)
-        pow2, inv = mxfp8_block_scale(tl.max(tl.max(tl.abs(xv), axis=2), axis=1))
-        xv = mxfp8_apply(xv, pow2[:, None, None], inv[:, None, None])
+        pow2, inv = mxfp8_block_scale(tl.max(tl.abs(xv), axis=1))
+        xv = mxfp8_apply(xv, pow2[:, None], inv[:, None])
         xv = tl.reshape(xv, (NB, 4, 2, 2, 2))[None, :, :, :, :, :]  # element 4h + 2 t1 + t0: (h, t1, t0)
         pu = tl.sum(tl.reshape(_decode_words(cu) * xv, (BN, NB, 32)), axis=2)
         pg = tl.sum(tl.reshape(_decode_words(cg) * xv, (BN, NB, 32)), axis=2)
