@@ -11,10 +11,10 @@ A call of the blocked (tensor-core) path is four launches with grids derived fro
    in registers, the global scale, SwiGLU (+ limit) and the MXFP8 quant-dequant of the result.
 3. ``gemm2``: per (expert block, K tile): ``y = dq8(a) @ W2[e]^T`` times the global scale and the
    router weight, added into the fp32 accumulator (atomics) or stored per slot (deterministic).
-
-Both GEMMs are computed transposed, ``W[e] tile @ rows^T``: see "Blocked GEMMs" below.
 4. ``finalize``: the accumulator (or the sum of a token's slots, in slot order) rounded once to
    the output dtype.
+
+Both GEMMs are computed transposed, ``W[e] tile @ rows^T``: see "Blocked GEMMs" below.
 
 Padding and foreign slots are routed to no block, so they cost no GEMM work; blocks past the
 batch's real ones exit at their first load. The small-M path is two launches, ``gemv1`` and
@@ -119,6 +119,18 @@ def _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr,
     else:
         tl.store(dst_ptr + slot.to(tl.int64)[None, :] * K + offs_o[:, None], acc, mask=msk)
 
+
+
+@triton.jit
+def _decode_weights(codes, scale_bytes, BN: tl.constexpr, BKH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    FAST: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
+    """The blocked GEMMs' MXFP4 decode of a ``[BN, BKH]`` code tile, ``(even, odd)``: inline PTX
+    where the plans chose it (``FOLD``: its one-fma form), else Triton ops."""
+    if PTX:
+        even, odd = decode_mxfp4_pair_ptx(codes, scale_bytes, BN, BKH, FOLD)
+    else:
+        even, odd = decode_mxfp4_pair(codes, scale_bytes, BN, BKH, DOT_DTYPE, FAST)
+    return even, odd
 
 # ------------------------------------------------------------------------------------- prologue
 def _jit(*, dns, dnsa=()):
@@ -338,18 +350,12 @@ def gemm1_kernel(
         sm = nvalid[:, None] & ((k0 // 32 + offs_s) < KS)[None, :]
         cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
         su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
-        if PTX:
-            ue, uo = decode_mxfp4_pair_ptx(cu, su, BN, BKH, FOLD)
-        else:
-            ue, uo = decode_mxfp4_pair(cu, su, BN, BKH, DOT_DTYPE, FAST)
+        ue, uo = _decode_weights(cu, su, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
         acc_u = tl.dot(ue, xe, acc_u)
         acc_u = tl.dot(uo, xo, acc_u)
         cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
         sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
-        if PTX:
-            ge, go = decode_mxfp4_pair_ptx(cg, sg, BN, BKH, FOLD)
-        else:
-            ge, go = decode_mxfp4_pair(cg, sg, BN, BKH, DOT_DTYPE, FAST)
+        ge, go = _decode_weights(cg, sg, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
         acc_g = tl.dot(ge, xe, acc_g)
         acc_g = tl.dot(go, xo, acc_g)
     act = tl.trans(_swiglu(acc_u, acc_g, gs_ptr, e, limit, HAS_GS, HAS_LIMIT))  # [BM, BN]
@@ -397,10 +403,7 @@ def gemm2_kernel(
         c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=wm, other=0)
         sm = ovalid[:, None] & ((n0 // 32 + offs_s) < NS)[None, :]
         s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=sm, other=0)
-        if PTX:
-            we, wo = decode_mxfp4_pair_ptx(c, s, BN, BKH, FOLD)
-        else:
-            we, wo = decode_mxfp4_pair(c, s, BN, BKH, DOT_DTYPE, FAST)
+        we, wo = _decode_weights(c, s, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
         acc = tl.dot(we, ae, acc)
         acc = tl.dot(wo, ao, acc)
     _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)

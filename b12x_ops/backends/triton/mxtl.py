@@ -141,14 +141,9 @@ def decode_mxfp4_pair_ptx(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexp
     PTX: same ``(even, odd)``."""
     sb = _ptx_scales(scale_bytes, FOLD)
     sc = tl.reshape(tl.broadcast_to(sb[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
-    if FOLD:
-        even, odd = tl.inline_asm_elementwise(
-            _DECODE_PTX_FOLD, constraints="=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=2)
-    else:
-        even, odd = tl.inline_asm_elementwise(
-            _DECODE_PTX, constraints="=r,=r,r,r", args=[codes, sc], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=2)
+    asm: tl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
+    even, odd = tl.inline_asm_elementwise(asm, constraints="=r,=r,r,r", args=[codes, sc],
+                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     return even, odd
 
 
