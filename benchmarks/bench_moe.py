@@ -106,6 +106,20 @@ def routing(M, E, top_k, device, seed):
     return logits, ids.to(torch.int32), torch.softmax(vals, dim=1)
 
 
+def markdown_log(path, title):
+    """``emit(line)`` for the sweeps: prints the line and rewrites ``path`` with every line so far
+    under ``title`` (a run cut short keeps its table)."""
+    lines = [title, ""]
+
+    def emit(line):
+        print(line, flush=True)
+        lines.append(line)
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    return emit
+
+
 def layer_batches(M, E, K, top_k, layers, device="cuda"):
     """Per layer, a batch of ``M`` tokens for the tile sweeps: ``(xs, ids, weights, outs)`` lists
     (bf16 inputs, routing of ``routing(..., seed 7 + layer)``, fp32 weights, bf16 output buffers)."""

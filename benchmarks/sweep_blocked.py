@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, graph_time, layer_batches, random_layer  # noqa: E402
+from bench_moe import GEOMETRIES, graph_time, layer_batches, markdown_log, random_layer  # noqa: E402
 
 G1 = [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)]
 G2 = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 4, 3)]
@@ -60,14 +60,8 @@ def main(argv=None):
     ap.add_argument("--out", default="sweep_blocked.md")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    lines = [f"# Blocked-path tile sweep ({torch.cuda.get_device_name()}); whole op, us per layer, "
-             f"CUDA-graph replay over {args.layers} layers", ""]
-
-    def emit(s):
-        print(s, flush=True)
-        lines.append(s)
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit = markdown_log(args.out, f"# Blocked-path tile sweep ({torch.cuda.get_device_name()}); whole op, "
+                                  f"us per layer, CUDA-graph replay over {args.layers} layers")
 
     per_geo = args.budget / len(args.geometries)
     for gi, name in enumerate(args.geometries):

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, graph_time, layer_batches, random_layer  # noqa: E402
+from bench_moe import GEOMETRIES, graph_time, layer_batches, markdown_log, random_layer  # noqa: E402
 
 # (bn, bk, warps, stages): gemv1 (bn: N outputs of up and of gate, a multiple of 32), gemv2 (bn: K
 # outputs). The kernels double-buffer their loads in registers (stages stays 1).
@@ -59,15 +59,9 @@ def main(argv=None):
         mod = importlib.import_module(args.variant)
         K_.gemv1_kernel, K_.gemv2_kernel = mod.gemv1_kernel, mod.gemv2_kernel  # (read when launches are built)
     t_start = time.perf_counter()
-    lines = [f"# GEMV-path tile sweep ({torch.cuda.get_device_name()}); us per layer, CUDA-graph replay over "
-             f"{args.layers} layers; limit at {args.bw / 1e12:.2f} TB/s"
-             f"{'; kernels from ' + args.variant if args.variant else ''}", ""]
-
-    def emit(s):
-        print(s, flush=True)
-        lines.append(s)
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit = markdown_log(args.out, f"# GEMV-path tile sweep ({torch.cuda.get_device_name()}); us per layer, "
+                                  f"CUDA-graph replay over {args.layers} layers; limit at {args.bw / 1e12:.2f} TB/s"
+                                  f"{'; kernels from ' + args.variant if args.variant else ''}")
 
     per_geo = args.budget / len(args.geometries)
     for gi, name in enumerate(args.geometries):

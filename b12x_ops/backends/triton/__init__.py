@@ -17,7 +17,8 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   benchmark and debugging switch).
 * ``fp8`` (bool, default False): the blocked path's GEMMs on fp8 tensor cores (``gemm1_fp8``,
   ``gemm2_fp8``: MXFP8 activations kept as bytes, weights decoded to E4M3, block scales applied to
-  each K = 32 partial sum); needs sm_89 or newer. Experimental: not yet measured on a GPU.
+  each K = 32 partial sum); needs sm_89 or newer. Experimental: exact, but slower than the
+  default on the H200 (``benchmarks/results/sweep_fp8.md``).
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 

@@ -15,7 +15,6 @@ from ..reference import ep_remap as ep_remap_torch  # noqa: F401  (the twin, re-
 from .kernels import local_expert
 
 
-
 @triton.jit
 def _local_rows(ids_ptr, r0, M, stride_im, stride_ik, expert_offset, cols, cm, E: tl.constexpr, BR: tl.constexpr):
     """Rows ``r0 ..`` of the batch: ``(rows, mask, local ids (int32, 2^31 - 1 where not ours), ours)``."""
