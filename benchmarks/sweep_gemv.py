@@ -49,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--out", default="sweep_gemv.md")
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ whose gemv1_kernel/gemv2_kernel replace the package's "
-                         "(e.g. experiments.joined_gemv)")
+                         "(a candidate kernel pair under evaluation)")
     args = ap.parse_args(argv)
     if args.variant:
         import importlib

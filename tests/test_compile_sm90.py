@@ -76,26 +76,3 @@ def test_fp8_launches_compile_for_sm90(offline):
             ck = offline.compile_launch(ln, 90, True)
             assert ck.metadata.name in ("gemm1_fp8_kernel", "gemm2_fp8_kernel")
             assert "e4m3" in ck.asm["ptx"]  # fp8 tensor-core MMAs
-
-
-def test_experimental_gemv_kernels_compile_for_sm90(offline):
-    """``benchmarks/experiments/joined_gemv.py`` in place of the package's GEMV kernels."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        from experiments import joined_gemv as J
-    finally:
-        sys.path.pop(0)
-    from b12x_ops.backends.triton import kernels as K_
-    from b12x_ops.backends.triton import plan as P
-
-    g = offline._geometry(GEOMETRIES["gpt-oss-120b"])
-    saved = K_.gemv1_kernel, K_.gemv2_kernel
-    K_.gemv1_kernel, K_.gemv2_kernel = J.gemv1_kernel, J.gemv2_kernel
-    try:
-        gp = P.GeometryPlans(g, True, True, ptx=True, dry=True)
-        lns = gp.stages(P.default_config(1, g, gemv=True))
-    finally:
-        K_.gemv1_kernel, K_.gemv2_kernel = saved
-    assert lns[1].fn is J.gemv1_kernel and lns[2].fn is J.gemv2_kernel
-    for ln in lns[1:3]:
-        assert offline.compile_launch(ln, 90, False).asm["cubin"]

@@ -301,11 +301,11 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         if "gemm1" in stages:
             rn.gemm1((S * rn.n_tiles1, 1, 1),
-                     x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a["act"],
+                     x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a[rn.act_buf],
                      S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
         if "gemm2" in stages:
             rn.gemm2((m * rn.n_tiles2, 1, 1),
-                     a["act"], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
+                     a[rn.act_buf], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
                      m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
                      int(out.dtype == torch.float16))
         return

@@ -341,23 +341,31 @@ def gemm1_kernel(
     xT = xq_ptr + tok[None, :] * K + (32 * (offs_h // 16) + offs_h % 16)[:, None]  # [BKH, BM]
     acc_u = tl.zeros((BN, BM), dtype=tl.float32)
     acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+    # The scale bytes (one a thread: too few for an asynchronous copy, so Triton's pipeline leaves
+    # them out) are loaded one step ahead into registers, or each step would wait on HBM for them.
+    up_s = s_e + up_rows[:, None] * KS + offs_s[None, :]
+    gate_s = s_e + gate_rows[:, None] * KS + offs_s[None, :]
+    sm = nvalid[:, None] & (offs_s < KS)[None, :]
+    su = tl.load(up_s, mask=sm, other=0)
+    sg = tl.load(gate_s, mask=sm, other=0)
     for k0 in range(0, K, BK):
         hmask = (k0 // 2 + offs_h) < KH
         xm = hmask[:, None] & rvalid[None, :]
         xe = tl.load(xT + k0, mask=xm, other=0.0).to(DOT_DTYPE)
         xo = tl.load(xT + k0 + 16, mask=xm, other=0.0).to(DOT_DTYPE)
         wm = nvalid[:, None] & hmask[None, :]
-        sm = nvalid[:, None] & ((k0 // 32 + offs_s) < KS)[None, :]
+        sm = nvalid[:, None] & ((k0 // 32 + BK // 32 + offs_s) < KS)[None, :]
+        su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
+        sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
         cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
         ue, uo = _decode_weights(cu, su, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
         acc_u = tl.dot(ue, xe, acc_u)
         acc_u = tl.dot(uo, xo, acc_u)
         cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + offs_s[None, :], mask=sm, other=0)
         ge, go = _decode_weights(cg, sg, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
         acc_g = tl.dot(ge, xe, acc_g)
         acc_g = tl.dot(go, xo, acc_g)
+        su, sg = su_next, sg_next
     act = tl.trans(_swiglu(acc_u, acc_g, gs_ptr, e, limit, HAS_GS, HAS_LIMIT))  # [BM, BN]
     act = quant_dequant_mxfp8_tile(act, BM, BN)
     tl.store(a_ptr + rows[:, None] * N + split_col(offs_n)[None, :], act, mask=rvalid[:, None] & nvalid[None, :])
@@ -394,18 +402,21 @@ def gemm2_kernel(
     offs_s = tl.arange(0, BK // 32)
     aT = a_ptr + rows[None, :] * N + (32 * (offs_h // 16) + offs_h % 16)[:, None]
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    row_s = s_e + offs_o[:, None] * NS + offs_s[None, :]
+    s = tl.load(row_s, mask=ovalid[:, None] & (offs_s < NS)[None, :], other=0)  # one step ahead, as in gemm1
     for n0 in range(0, N, BK):
         hmask = (n0 // 2 + offs_h) < NH
         am = hmask[:, None] & rvalid[None, :]
         ae = tl.load(aT + n0, mask=am, other=0.0).to(DOT_DTYPE)
         ao = tl.load(aT + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
         wm = ovalid[:, None] & hmask[None, :]
+        sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < NS)[None, :]
+        s_next = tl.load(row_s + (n0 + BK) // 32, mask=sm, other=0)
         c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=wm, other=0)
-        sm = ovalid[:, None] & ((n0 // 32 + offs_s) < NS)[None, :]
-        s = tl.load(s_e + offs_o[:, None] * NS + n0 // 32 + offs_s[None, :], mask=sm, other=0)
         we, wo = _decode_weights(c, s, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
         acc = tl.dot(we, ae, acc)
         acc = tl.dot(wo, ao, acc)
+        s = s_next
     _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)
 
 
@@ -519,39 +530,20 @@ def gemm2_fp8_kernel(
 # products on the CUDA cores (no tensor-core tile padded from 1 row to 16): the codes load as
 # int32 words (16-byte vectors), decode two nibbles at a time through fp16 bits to fp32 (times
 # 2^-14) and multiply the activations elementwise; the products are summed per 32-element block
-# first, so the E8M0 scale (and 2^14) is one multiply per 32 elements.
+# first, so the E8M0 scale (and 2^14) is one multiply per 32 elements. The decoded nibble pairs are
+# joined in registers into one ``[rows, blocks, 4, 2, 2, 2]`` tile in the activations' own element
+# order, so the activation tile takes one layout conversion a step (sliced per nibble, each slice
+# took its own: 8 more on sm_90, two barriers each); gemv1 loads its chunk of x as ``[blocks, 32]``
+# so a block's maximum is taken within a warp.
 @triton.jit
-def _split8(v):
-    """``v[..., r]`` for r = 0..7 of a ``[NB, 4, 8]`` tile (8 consecutive elements per code word),
-    as eight ``[NB, 4]`` tiles: the activations a word's nibbles t and t + 4 meet. A contiguous
-    last dim of 8 is normally loaded into one thread, where the splits move no data."""
-    NB: tl.constexpr = v.shape[0]
-    a, b = tl.split(tl.reshape(v, (NB, 4, 2, 2, 2)))  # element r = 4 hb + 2 t1 + t0: split t0
-    a0, a1 = tl.split(a)
-    b0, b1 = tl.split(b)
-    x0, x4 = tl.split(a0)
-    x2, x6 = tl.split(a1)
-    x1, x5 = tl.split(b0)
-    x3, x7 = tl.split(b1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _fma_word_pairs(p, words, x0, x1, x2, x3, x4, x5, x6, x7):
-    """``p + sum over the 8 nibbles of words * x`` (per word), the weights in units of 2^-14."""
-    wa, wb = e2m1_nibble_pair_f32_2m14(words, 0)
-    p = p + wa * x0[None, :, :]
-    p = p + wb * x4[None, :, :]
-    wa, wb = e2m1_nibble_pair_f32_2m14(words, 1)
-    p = p + wa * x1[None, :, :]
-    p = p + wb * x5[None, :, :]
-    wa, wb = e2m1_nibble_pair_f32_2m14(words, 2)
-    p = p + wa * x2[None, :, :]
-    p = p + wb * x6[None, :, :]
-    wa, wb = e2m1_nibble_pair_f32_2m14(words, 3)
-    p = p + wa * x3[None, :, :]
-    p = p + wb * x7[None, :, :]
-    return p
+def _decode_words(words):
+    """``[.., 4]`` int32 code words as ``[.., 4, 2, 2, 2]`` fp32 weights times 2^-14, indexed
+    ``[word, h, t1, t0]`` = nibble ``4h + 2 t1 + t0``: a word's natural element order."""
+    a0, b0 = e2m1_nibble_pair_f32_2m14(words, 0)
+    a1, b1 = e2m1_nibble_pair_f32_2m14(words, 1)
+    a2, b2 = e2m1_nibble_pair_f32_2m14(words, 2)
+    a3, b3 = e2m1_nibble_pair_f32_2m14(words, 3)
+    return tl.join(tl.join(tl.join(a0, b0), tl.join(a2, b2)), tl.join(tl.join(a1, b1), tl.join(a3, b3)))
 
 
 @_jit(dns=("S", "stride_xm", "stride_im", "stride_ik", "expert_offset", "x_fp16"), dnsa=("x_ptr", "ids_ptr"))
@@ -584,7 +576,7 @@ def gemv1_kernel(
     q = tl.arange(0, 4)  # word within the block
     word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
     x_row = x_ptr + m.to(tl.int64) * stride_xm
-    r8 = tl.arange(0, 8)
+    r32 = tl.arange(0, 32)
     acc_u = tl.zeros((BN, NB), dtype=tl.float32)
     acc_g = tl.zeros((BN, NB), dtype=tl.float32)
     up_w = w_e + up_rows[:, None, None] * KW + word_off[None, :, :]
@@ -608,17 +600,16 @@ def gemv1_kernel(
         cg_next = tl.load(gate_w + (k0 + BK) // 8, mask=wm, other=0)
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
-        # this chunk of x, quantized to MXFP8 on the fly: one vector load of 8 values a code word,
-        # then split into the 8 tiles the nibbles meet (x is shared by the program's BN rows)
-        raw = tl.load(x_row + k0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None], other=0)
+        # this chunk of x (shared by the program's BN rows), quantized to MXFP8 on the fly
+        raw = tl.load(x_row + k0 + 32 * j[:, None] + r32[None, :], mask=bvalid[:, None], other=0)
         xv = half_bits_to_f32(raw, x_fp16)
-        pow2, inv = mxfp8_block_scale(tl.max(tl.max(tl.abs(xv), axis=2), axis=1))
-        xv = mxfp8_apply(xv, pow2[:, None, None], inv[:, None, None])
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xv)
-        pu = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), cu, x0, x1, x2, x3, x4, x5, x6, x7)
-        pg = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), cg, x0, x1, x2, x3, x4, x5, x6, x7)
-        acc_u += (tl.sum(pu, axis=2) * 16384.0) * e8m0_f32(su)
-        acc_g += (tl.sum(pg, axis=2) * 16384.0) * e8m0_f32(sg)
+        pow2, inv = mxfp8_block_scale(tl.max(tl.abs(xv), axis=1))
+        xv = mxfp8_apply(xv, pow2[:, None], inv[:, None])
+        xv = tl.reshape(xv, (NB, 4, 2, 2, 2))[None, :, :, :, :, :]  # element 4h + 2 t1 + t0: (h, t1, t0)
+        pu = tl.sum(tl.reshape(_decode_words(cu) * xv, (BN, NB, 32)), axis=2)
+        pg = tl.sum(tl.reshape(_decode_words(cg) * xv, (BN, NB, 32)), axis=2)
+        acc_u += (pu * 16384.0) * e8m0_f32(su)
+        acc_g += (pg * 16384.0) * e8m0_f32(sg)
         cu, cg, su, sg = cu_next, cg_next, su_next, sg_next
     act = _swiglu(tl.sum(acc_u, axis=1), tl.sum(acc_g, axis=1), gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
     act = tl.reshape(quant_dequant_mxfp8_tile(tl.reshape(act, (1, BN)), 1, BN), (BN,))
@@ -626,34 +617,16 @@ def gemv1_kernel(
 
 
 @triton.jit
-def _gemv2_slot(a_row, w_e, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``dq8(a) @ W2[e]^T`` for one slot's activation row and ``BN`` output rows, fp32 ``[BN]``."""
-    NW: tl.constexpr = N // 8  # int32 words of codes a row
-    NS: tl.constexpr = N // 32
-    NB: tl.constexpr = BK // 32
-    j = tl.arange(0, NB)
-    q = tl.arange(0, 4)
-    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
-    r8 = tl.arange(0, 8)
-    acc = tl.zeros((BN, NB), dtype=tl.float32)
-    row_w = w_e + offs_o[:, None, None] * NW + word_off[None, :, :]
-    row_s = s_e + offs_o[:, None] * NS + j[None, :]
-    # register double buffering of the codes and scales, as in gemv1
-    bnext = j < NS
-    c = tl.load(row_w, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
-    sc = tl.load(row_s, mask=ovalid[:, None] & bnext[None, :], other=0)
-    for n0 in range(0, N, BK):
-        bvalid = (n0 // 32 + j) < NS
-        bnext = (n0 // 32 + NB + j) < NS
-        c_next = tl.load(row_w + (n0 + BK) // 8, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
-        sc_next = tl.load(row_s + (n0 + BK) // 32, mask=ovalid[:, None] & bnext[None, :], other=0)
-        av = tl.load(a_row + n0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None],
-                     other=0.0).to(tl.float32)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _split8(av)
-        p = _fma_word_pairs(tl.zeros((BN, NB, 4), dtype=tl.float32), c, a0, a1, a2, a3, a4, a5, a6, a7)
-        acc += (tl.sum(p, axis=2) * 16384.0) * e8m0_f32(sc)
-        c, sc = c_next, sc_next
-    return tl.sum(acc, axis=1)
+def _and_scalar(mask, flag):
+    """``mask & flag`` for a scalar ``flag`` (splat first: the interpreter rejects the mixed form)."""
+    return mask & ((tl.zeros_like(mask).to(tl.int32) + flag.to(tl.int32)) != 0)
+
+
+@triton.jit
+def _slot_expert(ids_row, jj, stride_ik, expert_offset, E: tl.constexpr, TOPK: tl.constexpr):
+    """``local_expert`` of a token's slot ``jj``; slots past ``TOPK`` are not ours."""
+    gid = tl.load(ids_row + (jj % TOPK) * stride_ik).to(tl.int64)
+    return local_expert(gid - (tl.zeros_like(gid) + jj // TOPK) * 1099511627776, expert_offset, E)  # jj < 2 TOPK
 
 
 @_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "expert_offset", "w_kind", "stride_om",
@@ -666,26 +639,62 @@ def gemv2_kernel(
     BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Program (token m, K tile of BN outputs): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T`` over
-    the token's local slots in slot order, rounded once to the output dtype."""
+    the token's local slots in slot order, rounded once to the output dtype. ``a`` is fp32.
+
+    One loop runs over the steps (slot ``t // NCH``, chunk ``t % NCH``) of all the token's slots,
+    so the register double buffering runs on from one slot into the next (a slot's first chunk
+    loads during the previous slot's last); the slots' expert ids are read one step further ahead.
+    Foreign and padding slots load nothing and compute nothing."""
     pid = tl.program_id(0)
     m = pid % M
     pid_n = pid // M
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
-    NH: tl.constexpr = N // 2
+    NW: tl.constexpr = N // 8  # int32 words of codes a row
     NS: tl.constexpr = N // 32
+    NB: tl.constexpr = BK // 32
+    NCH: tl.constexpr = (N + BK - 1) // BK  # chunks a slot
     m64 = m.to(tl.int64)
+    ids_row = ids_ptr + m64 * stride_im
+    j = tl.arange(0, NB)
+    q = tl.arange(0, 4)
+    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
+    r8 = tl.arange(0, 8)
+    row_w = w_ptr.to(tl.pointer_type(tl.int32)) + offs_o[:, None, None] * NW + word_off[None, :, :]
+    row_s = s_ptr + offs_o[:, None] * NS + j[None, :]
+    e, ours = local_expert(tl.load(ids_row).to(tl.int64), expert_offset, E)  # step 0's slot
+    # the slot of step 1 (the next slot's, when a slot is one chunk)
+    e1, ours1 = _slot_expert(ids_row, 1 // NCH, stride_ik, expert_offset, E, TOPK)
+    cm = (j < NS)[None, :] & _and_scalar(ovalid, ours)[:, None]
+    c = tl.load(row_w + e * (K * NW), mask=cm[:, :, None], other=0)
+    sc = tl.load(row_s + e * (K * NS), mask=cm, other=0)
+    acc = tl.zeros((BN, NB), dtype=tl.float32)
     total = tl.zeros((BN,), dtype=tl.float32)
-    for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
-        gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
-        e, ours = local_expert(gid, expert_offset, E)
+    for t in range(0, TOPK * NCH):
+        jj = t // NCH
+        n0 = (t - jj * NCH) * BK
+        # step t + 1's codes and scales (its slot is known), step t + 2's slot
+        j1 = (t + 1) // NCH
+        n1 = (t + 1 - j1 * NCH) * BK
+        j2 = (t + 2) // NCH
+        e2, ours2 = _slot_expert(ids_row, j2, stride_ik, expert_offset, E, TOPK)
+        cm = ((n1 // 32 + j) < NS)[None, :] & _and_scalar(ovalid, ours1)[:, None]
+        c_next = tl.load(row_w + e1 * (K * NW) + n1 // 8, mask=cm[:, :, None], other=0)
+        sc_next = tl.load(row_s + e1 * (K * NS) + n1 // 32, mask=cm, other=0)
         if ours:
-            w_e = (w_ptr + e * (K * NH)).to(tl.pointer_type(tl.int32))
-            s_e = s_ptr + e * (K * NS)
-            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_e, s_e, offs_o, ovalid, N, BN, BK)
-            if HAS_GS:
-                y = y * tl.load(gs_ptr + e)
-            total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
+            bvalid = (n0 // 32 + j) < NS
+            av = tl.load(a_ptr + (m64 * TOPK + jj) * N + n0 + 8 * word_off[:, :, None] + r8[None, None, :],
+                         mask=bvalid[:, None, None], other=0.0)
+            av = tl.reshape(av, (NB, 4, 2, 2, 2))[None, :, :, :, :, :]
+            p = tl.sum(tl.reshape(_decode_words(c) * av, (BN, NB, 32)), axis=2)
+            acc += (p * 16384.0) * e8m0_f32(sc)
+            if n0 + BK >= N:  # the slot's last chunk
+                y = tl.sum(acc, axis=1)
+                if HAS_GS:
+                    y = y * tl.load(gs_ptr + e)
+                total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
+                acc = tl.zeros((BN, NB), dtype=tl.float32)
+        c, sc, e, ours, e1, ours1 = c_next, sc_next, e1, ours1, e2, ours2
     tl.store(out_ptr + m64 * stride_om + offs_o, f32_to_half_bits(total, out_fp16), mask=ovalid)
 
 

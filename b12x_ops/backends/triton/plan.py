@@ -93,11 +93,13 @@ GEMV_MAX_SLOTS = 64
 GEMV_MAX_TOKENS = 8
 # GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 32; bk: K step, a multiple of
 # 32; warps; stages), gemv2 (bn: K outputs; bk: N step). At small M there are few programs (slots
-# x tiles), so each must keep many bytes in flight (double-buffered loads of 16-32 KB a step);
-# with fewer than ~1.5 programs an SM the larger step wins. (No tl.dot: stages stay 1.)
-_GEMV1 = ((32, 256, 4, 1), (32, 1024, 8, 1), (64, 256, 8, 1), (32, 512, 8, 1))
-_GEMV2 = ((8, 1024, 4, 1), (16, 1024, 4, 1), (8, 512, 4, 1), (16, 512, 4, 1))
+# x tiles), so each must keep many bytes in flight (double-buffered loads of 16-32 KB a step):
+# with fewer than ~1.5 programs an SM the larger step wins; with many, smaller steps and wider
+# tiles (results/sweep_gemv_joined.md, H200). (No tl.dot: stages stay 1.)
+_GEMV1 = ((32, 256, 4, 1), (32, 512, 8, 1), (32, 1024, 8, 1), (64, 128, 4, 1), (32, 128, 4, 1))
+_GEMV2 = ((8, 1024, 4, 1), (16, 1024, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (8, 256, 4, 1))
 _FEW_PROGRAMS = 200
+_MANY_PROGRAMS = 1000
 
 
 def use_gemv(tokens: int, geometry, mode=None) -> bool:
@@ -108,12 +110,20 @@ def use_gemv(tokens: int, geometry, mode=None) -> bool:
 
 
 def gemv_config(tokens: int, geometry) -> Config:
-    """The default GEMV tiles: the larger K step where a kernel has few programs."""
+    """The default GEMV tiles, by the programs each kernel would have at its middle tile."""
     g = geometry
-    few1 = tokens * g.top_k * -(-g.intermediate_size // 32) < _FEW_PROGRAMS
-    few2 = tokens * -(-g.hidden_size // 16) < _FEW_PROGRAMS
-    g1 = _GEMV1[1] if few1 else _GEMV1[0]
-    g2 = _GEMV2[0] if few2 else _GEMV2[1]
+    p1 = tokens * g.top_k * -(-g.intermediate_size // 32)
+    p2 = tokens * -(-g.hidden_size // 16)
+    if p1 < _FEW_PROGRAMS:  # a long K step, but at least ~4 steps a row
+        g1 = _GEMV1[2] if g.hidden_size >= 4096 else _GEMV1[1]
+    else:
+        g1 = _GEMV1[3] if p1 >= _MANY_PROGRAMS else _GEMV1[0]
+    if p2 < _FEW_PROGRAMS:
+        g2 = _GEMV2[0]
+    elif p2 < _MANY_PROGRAMS:
+        g2 = _GEMV2[1]
+    else:
+        g2 = _GEMV2[2] if g.intermediate_size >= 2048 else _GEMV2[3]
     return Config(1, *g1, *g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
@@ -218,7 +228,7 @@ class Runner(NamedTuple):
     prologue_rows: int  # rows of x a prologue program quantizes
     finalize_rows: int  # rows a finalize program writes
     num_experts: int
-    x_buf: str  # the arena buffers of the quantized activations of GEMM1 and GEMM2 (fp8: bytes)
+    x_buf: str  # the arena buffers of the quantized activations of GEMM1 and GEMM2 (fp8: bytes; GEMV: fp32)
     act_buf: str
 
     def blocks(self, slots: int) -> int:
@@ -305,7 +315,7 @@ class GeometryPlans:
         g = self.geometry
         return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1), -(-g.hidden_size // cfg.bn2),
                       -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts,
-                      "xq8" if self.fp8 else "xq", "act8" if self.fp8 and not cfg.gemv else "act")
+                      "xq8" if self.fp8 else "xq", "act32" if cfg.gemv else "act8" if self.fp8 else "act")
 
     def stages(self, cfg: Config) -> tuple:
         """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` (the GEMV path: (None, gemv1,
@@ -385,11 +395,11 @@ class GeometryPlans:
         a = self.arena
         for name, dt in (("xq", self.act_dtype), ("lid", torch.int32), ("wts", torch.float32), ("sorted", torch.int32),
                          ("blk_expert", torch.int32), ("blk_rows", torch.int32), ("cursor", torch.int32),
-                         ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32),
+                         ("act", self.act_dtype), ("act32", torch.float32), ("acc", torch.float32), ("slots", torch.float32),
                          ("xq8", torch.uint8), ("xs", torch.uint8), ("act8", torch.uint8), ("as", torch.uint8)):
             a.need(name, 1, dt)
-        if cfg.gemv:  # one activation row a slot, nothing else
-            a.need("act", cap * g.top_k * g.intermediate_size, self.act_dtype)
+        if cfg.gemv:  # one fp32 activation row a slot (gemv2 multiplies in fp32), nothing else
+            a.need("act32", cap * g.top_k * g.intermediate_size, torch.float32)
             return
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k

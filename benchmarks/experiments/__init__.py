@@ -1,1 +1,0 @@
-"""Kernels under evaluation, not used by the package (see each module)."""
