@@ -54,7 +54,7 @@ def signature(launch: P.Launch, fp8: bool) -> tuple[dict, dict]:
                 t = "*i32"
             elif name in _U8 or (fp8 and name in ("xq_ptr", "a_ptr") and not gemv):
                 t = "*u8"
-            elif name in _F32 or name == "wts_ptr" or (name == "a_ptr" and gemv):
+            elif name in _F32 or name == "wts_ptr":
                 t = "*fp32"
             else:  # activations: bf16
                 t = "*bf16"

@@ -250,7 +250,7 @@ def test_interp_gemv_stages_match_twins(variant, bk):
     assert gp.stages(cfg)[0] is None and gp.stages(cfg)[3] is None  # two launches, no routing pass
     out = torch.full_like(x, float("nan"))
     from b12x_ops.backends.triton import _launch_all
-    act = gp.arena.buffers["act32"]
+    act = gp.arena.buffers["act"]
     act.fill_(float("nan"))
     _launch_all(st, cfg, x, ids, w, out, stages=("gemm1", "gemm2"))
     N, top_k = layer.N, layer.top_k

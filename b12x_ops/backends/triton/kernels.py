@@ -617,16 +617,34 @@ def gemv1_kernel(
 
 
 @triton.jit
-def _and_scalar(mask, flag):
-    """``mask & flag`` for a scalar ``flag`` (splat first: the interpreter rejects the mixed form)."""
-    return mask & ((tl.zeros_like(mask).to(tl.int32) + flag.to(tl.int32)) != 0)
-
-
-@triton.jit
-def _slot_expert(ids_row, jj, stride_ik, expert_offset, E: tl.constexpr, TOPK: tl.constexpr):
-    """``local_expert`` of a token's slot ``jj``; slots past ``TOPK`` are not ours."""
-    gid = tl.load(ids_row + (jj % TOPK) * stride_ik).to(tl.int64)
-    return local_expert(gid - (tl.zeros_like(gid) + jj // TOPK) * 1099511627776, expert_offset, E)  # jj < 2 TOPK
+def _gemv2_slot(a_row, w_e, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``dq8(a) @ W2[e]^T`` for one slot's activation row and ``BN`` output rows, fp32 ``[BN]``."""
+    NW: tl.constexpr = N // 8  # int32 words of codes a row
+    NS: tl.constexpr = N // 32
+    NB: tl.constexpr = BK // 32
+    j = tl.arange(0, NB)
+    q = tl.arange(0, 4)
+    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
+    r8 = tl.arange(0, 8)
+    acc = tl.zeros((BN, NB), dtype=tl.float32)
+    row_w = w_e + offs_o[:, None, None] * NW + word_off[None, :, :]
+    row_s = s_e + offs_o[:, None] * NS + j[None, :]
+    # register double buffering of the codes and scales, as in gemv1
+    bnext = j < NS
+    c = tl.load(row_w, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
+    sc = tl.load(row_s, mask=ovalid[:, None] & bnext[None, :], other=0)
+    for n0 in range(0, N, BK):
+        bvalid = (n0 // 32 + j) < NS
+        bnext = (n0 // 32 + NB + j) < NS
+        c_next = tl.load(row_w + (n0 + BK) // 8, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
+        sc_next = tl.load(row_s + (n0 + BK) // 32, mask=ovalid[:, None] & bnext[None, :], other=0)
+        av = tl.load(a_row + n0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None],
+                     other=0.0).to(tl.float32)
+        av = tl.reshape(av, (NB, 4, 2, 2, 2))[None, :, :, :, :, :]
+        p = tl.sum(tl.reshape(_decode_words(c) * av, (BN, NB, 32)), axis=2)
+        acc += (p * 16384.0) * e8m0_f32(sc)
+        c, sc = c_next, sc_next
+    return tl.sum(acc, axis=1)
 
 
 @_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "expert_offset", "w_kind", "stride_om",
@@ -639,62 +657,26 @@ def gemv2_kernel(
     BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Program (token m, K tile of BN outputs): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T`` over
-    the token's local slots in slot order, rounded once to the output dtype. ``a`` is fp32.
-
-    One loop runs over the steps (slot ``t // NCH``, chunk ``t % NCH``) of all the token's slots,
-    so the register double buffering runs on from one slot into the next (a slot's first chunk
-    loads during the previous slot's last); the slots' expert ids are read one step further ahead.
-    Foreign and padding slots load nothing and compute nothing."""
+    the token's local slots in slot order, rounded once to the output dtype."""
     pid = tl.program_id(0)
     m = pid % M
     pid_n = pid // M
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
-    NW: tl.constexpr = N // 8  # int32 words of codes a row
+    NH: tl.constexpr = N // 2
     NS: tl.constexpr = N // 32
-    NB: tl.constexpr = BK // 32
-    NCH: tl.constexpr = (N + BK - 1) // BK  # chunks a slot
     m64 = m.to(tl.int64)
-    ids_row = ids_ptr + m64 * stride_im
-    j = tl.arange(0, NB)
-    q = tl.arange(0, 4)
-    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
-    r8 = tl.arange(0, 8)
-    row_w = w_ptr.to(tl.pointer_type(tl.int32)) + offs_o[:, None, None] * NW + word_off[None, :, :]
-    row_s = s_ptr + offs_o[:, None] * NS + j[None, :]
-    e, ours = local_expert(tl.load(ids_row).to(tl.int64), expert_offset, E)  # step 0's slot
-    # the slot of step 1 (the next slot's, when a slot is one chunk)
-    e1, ours1 = _slot_expert(ids_row, 1 // NCH, stride_ik, expert_offset, E, TOPK)
-    cm = (j < NS)[None, :] & _and_scalar(ovalid, ours)[:, None]
-    c = tl.load(row_w + e * (K * NW), mask=cm[:, :, None], other=0)
-    sc = tl.load(row_s + e * (K * NS), mask=cm, other=0)
-    acc = tl.zeros((BN, NB), dtype=tl.float32)
     total = tl.zeros((BN,), dtype=tl.float32)
-    for t in range(0, TOPK * NCH):
-        jj = t // NCH
-        n0 = (t - jj * NCH) * BK
-        # step t + 1's codes and scales (its slot is known), step t + 2's slot
-        j1 = (t + 1) // NCH
-        n1 = (t + 1 - j1 * NCH) * BK
-        j2 = (t + 2) // NCH
-        e2, ours2 = _slot_expert(ids_row, j2, stride_ik, expert_offset, E, TOPK)
-        cm = ((n1 // 32 + j) < NS)[None, :] & _and_scalar(ovalid, ours1)[:, None]
-        c_next = tl.load(row_w + e1 * (K * NW) + n1 // 8, mask=cm[:, :, None], other=0)
-        sc_next = tl.load(row_s + e1 * (K * NS) + n1 // 32, mask=cm, other=0)
+    for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
+        gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
+        e, ours = local_expert(gid, expert_offset, E)
         if ours:
-            bvalid = (n0 // 32 + j) < NS
-            av = tl.load(a_ptr + (m64 * TOPK + jj) * N + n0 + 8 * word_off[:, :, None] + r8[None, None, :],
-                         mask=bvalid[:, None, None], other=0.0)
-            av = tl.reshape(av, (NB, 4, 2, 2, 2))[None, :, :, :, :, :]
-            p = tl.sum(tl.reshape(_decode_words(c) * av, (BN, NB, 32)), axis=2)
-            acc += (p * 16384.0) * e8m0_f32(sc)
-            if n0 + BK >= N:  # the slot's last chunk
-                y = tl.sum(acc, axis=1)
-                if HAS_GS:
-                    y = y * tl.load(gs_ptr + e)
-                total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
-                acc = tl.zeros((BN, NB), dtype=tl.float32)
-        c, sc, e, ours, e1, ours1 = c_next, sc_next, e1, ours1, e2, ours2
+            w_e = (w_ptr + e * (K * NH)).to(tl.pointer_type(tl.int32))
+            s_e = s_ptr + e * (K * NS)
+            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_e, s_e, offs_o, ovalid, N, BN, BK)
+            if HAS_GS:
+                y = y * tl.load(gs_ptr + e)
+            total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
     tl.store(out_ptr + m64 * stride_om + offs_o, f32_to_half_bits(total, out_fp16), mask=ovalid)
 
 

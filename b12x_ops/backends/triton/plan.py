@@ -88,9 +88,10 @@ def _atomic(tokens: int, geometry) -> bool:
 
 # The GEMV path is the default up to this many routed slots (tokens * top_k) and tokens a call:
 # below that, the blocked path's tensor-core tiles are mostly padding; above, its decode shared by
-# a block's rows wins (measured on the H200: results/gemv_compare.md).
-GEMV_MAX_SLOTS = 64
-GEMV_MAX_TOKENS = 8
+# a block's rows wins (measured on the H200, results/gemv_compare.md: GEMV 1.03-1.26x faster at
+# M = 4, the blocked path 1.03-1.05x faster at M = 8 on the three benchmark geometries).
+GEMV_MAX_SLOTS = 32
+GEMV_MAX_TOKENS = 4
 # GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 32; bk: K step, a multiple of
 # 32; warps; stages), gemv2 (bn: K outputs; bk: N step). At small M there are few programs (slots
 # x tiles), so each must keep many bytes in flight (double-buffered loads of 16-32 KB a step):
@@ -228,7 +229,7 @@ class Runner(NamedTuple):
     prologue_rows: int  # rows of x a prologue program quantizes
     finalize_rows: int  # rows a finalize program writes
     num_experts: int
-    x_buf: str  # the arena buffers of the quantized activations of GEMM1 and GEMM2 (fp8: bytes; GEMV: fp32)
+    x_buf: str  # the arena buffers of the quantized activations of GEMM1 and GEMM2 (fp8: bytes)
     act_buf: str
 
     def blocks(self, slots: int) -> int:
@@ -315,7 +316,7 @@ class GeometryPlans:
         g = self.geometry
         return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1), -(-g.hidden_size // cfg.bn2),
                       -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts,
-                      "xq8" if self.fp8 else "xq", "act32" if cfg.gemv else "act8" if self.fp8 else "act")
+                      "xq8" if self.fp8 else "xq", "act8" if self.fp8 and not cfg.gemv else "act")
 
     def stages(self, cfg: Config) -> tuple:
         """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` (the GEMV path: (None, gemv1,
@@ -395,11 +396,11 @@ class GeometryPlans:
         a = self.arena
         for name, dt in (("xq", self.act_dtype), ("lid", torch.int32), ("wts", torch.float32), ("sorted", torch.int32),
                          ("blk_expert", torch.int32), ("blk_rows", torch.int32), ("cursor", torch.int32),
-                         ("act", self.act_dtype), ("act32", torch.float32), ("acc", torch.float32), ("slots", torch.float32),
+                         ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32),
                          ("xq8", torch.uint8), ("xs", torch.uint8), ("act8", torch.uint8), ("as", torch.uint8)):
             a.need(name, 1, dt)
-        if cfg.gemv:  # one fp32 activation row a slot (gemv2 multiplies in fp32), nothing else
-            a.need("act32", cap * g.top_k * g.intermediate_size, torch.float32)
+        if cfg.gemv:  # one activation row a slot, nothing else
+            a.need("act", cap * g.top_k * g.intermediate_size, self.act_dtype)
             return
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k
