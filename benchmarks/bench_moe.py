@@ -437,7 +437,7 @@ def gemv_compare(args, log, bw=4.27e12):
             for M in args.gemv_sweep:
                 cap, base = gp.plan_for(M)
                 for g1, g2 in [(g1, g2) for g1 in P._GEMV1 for g2 in P._GEMV2]:
-                    cfg = P.Config(1, *g1, *g2, base.atomic, gemv=True)
+                    cfg = P.Config.of(1, g1, g2, base.atomic, gemv=True)
                     gp.add(cap, cfg)
                     try:
                         t = timed(handles[True], M)[0]

@@ -33,9 +33,9 @@ from b12x_ops.backends.triton import plan as P  # noqa: E402
 
 # element types of the pointer arguments, by name (what ``_launch`` passes)
 _I16 = {"x_ptr", "wts_in_ptr", "out_ptr"}
-_I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cursor_ptr"}
+_I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cursor_ptr", "cnt_ptr"}
 _U8 = {"w_ptr", "s_ptr", "xs_ptr", "as_ptr"}
-_F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr"}
+_F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr"}
 
 
 def signature(launch: P.Launch, fp8: bool) -> tuple[dict, dict]:

@@ -28,10 +28,13 @@ from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
 from bench_moe import GEOMETRIES, graph_time, layer_batches, markdown_log, random_layer  # noqa: E402
 
-# (bn, bk, warps, stages): gemv1 (bn: N outputs of up and of gate, a multiple of 32), gemv2 (bn: K
-# outputs). The kernels double-buffer their loads in registers (stages stays 1).
-G1 = [(32, 256, 4, 1), (32, 1024, 8, 1), (64, 256, 8, 1), (32, 512, 8, 1), (32, 128, 4, 1), (64, 128, 4, 1)]
-G2 = [(8, 1024, 4, 1), (16, 1024, 4, 1), (8, 512, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (8, 256, 4, 1)]
+# (bn, bk, warps, stages, split): gemv1 (bn: N outputs of up and of gate, a multiple of 32), gemv2
+# (bn: K outputs). The kernels double-buffer their loads in registers (stages stays 1); split: the
+# programs that share a slot's K steps (gemv1) or a token's slots (gemv2).
+G1 = [(32, 256, 4, 1, 1), (32, 256, 4, 1, 2), (32, 256, 4, 1, 3), (32, 512, 8, 1, 1), (32, 512, 8, 1, 2),
+      (32, 1024, 8, 1, 1), (32, 128, 4, 1, 2), (64, 128, 4, 1, 1), (64, 128, 4, 1, 2)]
+G2 = [(8, 1024, 4, 1, 1), (8, 1024, 4, 1, 2), (16, 1024, 4, 1, 1), (16, 1024, 4, 1, 2), (8, 512, 4, 1, 2),
+      (16, 512, 4, 1, 1), (32, 256, 4, 1, 1), (32, 256, 4, 1, 2)]
 
 
 def rel_l2(a, b):
@@ -76,7 +79,7 @@ def main(argv=None):
         g = hs[0]._state.plans.geometry
         emit(f"## {name}")
         emit("")
-        emit("| M | kernel | tiles (bn, bk, warps, stages) | us | regs | note |")
+        emit("| M | kernel | tiles (bn, bk, warps, stages, split) | us | regs | note |")
         emit("|---|---|---|---|---|---|")
         for M in args.sizes:
             if time.perf_counter() > deadline:
@@ -91,6 +94,7 @@ def main(argv=None):
             st0.plans.reserve(M, base)
 
             def timed(cfg, stages):
+                st0.plans.reserve(M, cfg)  # (the split-K buffers of cfg)
                 calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o, stages)
                          for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
                 return graph_time(calls, reps=10) * 1e6
@@ -100,11 +104,12 @@ def main(argv=None):
                 stage = "gemm1" if kind == "gemv1" else "gemm2"
                 if kind == "gemv2":  # its input: the best gemv1's activations
                     _launch_all(st0, best.get("gemv1", (None, base))[1], xs[0], idss[0], wss[0], outs[0], ("gemm1",))
-                for t4 in cands:
+                for tl5 in cands:
                     if time.perf_counter() > deadline:
                         break
-                    f = ("bn1", "bk1", "warps1", "stages1") if kind == "gemv1" else ("bn2", "bk2", "warps2", "stages2")
-                    cfg = dataclasses.replace(base, **dict(zip(f, t4)))
+                    f = ("bn1", "bk1", "warps1", "stages1", "split1") if kind == "gemv1" else \
+                        ("bn2", "bk2", "warps2", "stages2", "split2")
+                    cfg = dataclasses.replace(base, **dict(zip(f, tl5)))
                     try:
                         t = timed(cfg, (stage,))
                         ln = st0.plans.stages(cfg)[1 if kind == "gemv1" else 2]
@@ -114,15 +119,16 @@ def main(argv=None):
                         t, regs, note = float("inf"), "", f"{type(exc).__name__}: {str(exc)[:60]}"
                     if t < best.get(kind, (float("inf"),))[0]:
                         best[kind] = (t, cfg)
-                    emit(f"| {M} | {kind} | {t4} | {t:.1f} | {regs} | {note} |")
+                    emit(f"| {M} | {kind} | {tl5} | {t:.1f} | {regs} | {note} |")
             if "gemv1" in best and "gemv2" in best:
                 c1, c2 = best["gemv1"][1], best["gemv2"][1]
-                pair = dataclasses.replace(c1, bn2=c2.bn2, bk2=c2.bk2, warps2=c2.warps2, stages2=c2.stages2)
+                pair = dataclasses.replace(c1, bn2=c2.bn2, bk2=c2.bk2, warps2=c2.warps2, stages2=c2.stages2,
+                                           split2=c2.split2)
                 for tag, cfg in (("default", base), ("best pair", pair)):
                     _launch_all(st0, cfg, xs[0], idss[0], wss[0], outs[0])
                     err = rel_l2(outs[0], want)
                     t = timed(cfg, ("gemm1", "gemm2"))
-                    tiles = f"{(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} / {(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}"
+                    tiles = f"{cfg.tiles1()} / {cfg.tiles2()}"
                     emit(f"| {M} | **whole op, {tag}** | {tiles} | **{t:.1f}** | | rel err {err:.1e}"
                          f"{'' if err <= 1e-2 else ' WRONG'} |")
         del hs, ref, layers

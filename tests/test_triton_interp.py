@@ -237,15 +237,17 @@ def test_interp_gemv_is_chosen_for_small_counts():
     dict(layout="w13", limit=None, global_scales=False),
     dict(layout="w31", limit=3.0, global_scales=True, offset=3),
 ])
-@pytest.mark.parametrize("bk", [32, 64])
-def test_interp_gemv_stages_match_twins(variant, bk):
+@pytest.mark.parametrize("bk,split", [(32, 1), (64, 1), (32, 2), (32, 3), (64, 3)])
+def test_interp_gemv_stages_match_twins(variant, bk, split):
     # K=96: a K step of 64 leaves a masked tail; N=96: a BN of 64 leaves a masked N tile
     layer = make_layer(E=5, K=96, N=96, top_k=3, seed=4, **variant)
     x, ids, w = make_batch(layer, 7, seed=3, padding_rows=2)  # foreign and padding slots too
     h = layer.prepare(backend="triton", max_tokens=8, gemv=True)
     st = h._state
     gp = st.plans
-    cfg = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True)
+    # split: K steps shared by programs in gemv1 (K = 96 at bk = 32: 2 + 1 steps, or 1 each; at bk = 64
+    # and split 3: 1 + 1 + none), slots in gemv2 (top-3: 2 + 1 slots, or 1 each)
+    cfg = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True, split1=split, split2=split)
     gp.reserve(8, cfg)
     assert gp.stages(cfg)[0] is None and gp.stages(cfg)[3] is None  # two launches, no routing pass
     out = torch.full_like(x, float("nan"))
@@ -273,6 +275,8 @@ def test_interp_gemv_stages_match_twins(variant, bk):
         assert torch.isfinite(out[m]).all()
         # the kernel rounds its fp32 sum once: at most one bf16 ulp from the twin's
         assert torch.allclose(out[m].float(), y.to(x.dtype).float(), rtol=2 ** -7, atol=1e-30)
+    # the split-K counts are back at zero for the next call
+    assert not gp.arena.buffers["cnt1"].any() and not gp.arena.buffers["cnt2"].any()
 
 
 @inner
@@ -464,8 +468,8 @@ def test_interp_tuner_runs_every_candidate_and_keeps_the_fastest(cap, monkeypatc
     best = TB._tune_one(st, cap)
     assert not failures  # every candidate configuration ran
     groups = sorted({(c.bm, c.gemv) for c in cands})
-    stage_runs = sum(len({(c.bn1, c.bk1, c.warps1, c.stages1) for c in cands if (c.bm, c.gemv) == grp}) +
-                     len({(c.bn2, c.bk2, c.warps2, c.stages2) for c in cands if (c.bm, c.gemv) == grp})
+    stage_runs = sum(len({c.tiles1() for c in cands if (c.bm, c.gemv) == grp}) +
+                     len({c.tiles2() for c in cands if (c.bm, c.gemv) == grp})
                      for grp in groups)
     assert len(ticks) == stage_runs  # GEMM1 and GEMM2 tiles timed separately, each once
     # with times growing in timing order, the first group's first tiles win

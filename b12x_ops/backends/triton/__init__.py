@@ -226,8 +226,7 @@ def _tune_one(state, cap):
         t1 = {}
         t2 = {}
         for c in group:
-            k1 = (c.bn1, c.bk1, c.warps1, c.stages1)
-            k2 = (c.bn2, c.bk2, c.warps2, c.stages2)
+            k1, k2 = c.tiles1(), c.tiles2()
             try:
                 if k1 not in t1:
                     t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm1",)))
@@ -241,7 +240,7 @@ def _tune_one(state, cap):
         b2 = min(t2, key=t2.get)
         total = t1[b1] + t2[b2]
         if best is None or total < best[0]:
-            best = (total, P.Config(bm, *b1, *b2, group[0].atomic, gemv=gemv))
+            best = (total, P.Config.of(bm, b1, b2, group[0].atomic, gemv=gemv))
     return best[1]
 
 
@@ -301,12 +300,12 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         if "gemm1" in stages:
             rn.gemm1((S * rn.n_tiles1, 1, 1),
-                     x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a[rn.act_buf],
-                     S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
+                     x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a[rn.act_buf], a["part1"],
+                     a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
         if "gemm2" in stages:
             rn.gemm2((m * rn.n_tiles2, 1, 1),
                      a[rn.act_buf], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
-                     m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
+                     a["part2"], a["cnt2"], m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
                      int(out.dtype == torch.float16))
         return
     nb = rn.blocks(S)

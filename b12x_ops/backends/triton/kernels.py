@@ -546,18 +546,49 @@ def _decode_words(words):
     return tl.join(tl.join(tl.join(a0, b0), tl.join(a2, b2)), tl.join(tl.join(a1, b1), tl.join(a3, b3)))
 
 
+@triton.jit
+def _last_of_split(part_ptr, cnt_ptr, part, u, v, SPLIT: tl.constexpr):
+    """The split-K handshake of the GEMV kernels. Each of a tile's ``SPLIT`` programs stores its
+    fp32 ``[BN]`` sums ``u`` and ``v`` at its place in the tile's ``part`` rows, then counts
+    itself in at ``cnt`` (acquire-release, GPU scope). The last to arrive returns ``(1, sum u,
+    sum v)`` over the parts in part order (the same bits whichever program is last) and resets
+    the count for the next call; the others return ``(0, ...)``."""
+    BN: tl.constexpr = u.shape[0]
+    r = tl.arange(0, BN)
+    tl.store(part_ptr + part * (2 * BN) + r, u)
+    tl.store(part_ptr + part * (2 * BN) + BN + r, v)
+    tl.debug_barrier()  # every thread's stores before the count (the release covers them)
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    su = tl.zeros((BN,), dtype=tl.float32)
+    sv = tl.zeros((BN,), dtype=tl.float32)
+    last = done == SPLIT - 1
+    if last:
+        for p in tl.static_range(SPLIT):  # (L2 reads: these rows were written by other SMs)
+            su += tl.load(part_ptr + p * (2 * BN) + r, cache_modifier=".cg")
+            sv += tl.load(part_ptr + p * (2 * BN) + BN + r, cache_modifier=".cg")
+        tl.store(cnt_ptr, 0)
+    return last.to(tl.int32), su, sv
+
+
 @_jit(dns=("S", "stride_xm", "stride_im", "stride_ik", "expert_offset", "x_fp16"), dnsa=("x_ptr", "ids_ptr"))
 def gemv1_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
+    x_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr,
     S, stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SPLIT: tl.constexpr = 1,
 ):
-    """Program (slot b, N tile): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into ``a[b]``.
-    ``x`` and the ids come as raw 16-/32-bit views (see ``prologue_kernel``)."""
+    """Program (slot b, N tile, K part): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into
+    ``a[b]``. ``x`` and the ids come as raw 16-/32-bit views (see ``prologue_kernel``). With
+    ``SPLIT`` > 1 the K steps are split between that many programs (more programs in flight
+    where slots x tiles are few): each writes its fp32 sums to ``part``, and the last to finish
+    (``_last_of_split``) adds them in part order (the same bits whichever finishes last) and
+    writes the activations."""
     pid = tl.program_id(0)
     b = pid % S
-    pid_n = pid // S
+    rest = pid // S
+    part = rest % SPLIT
+    pid_n = rest // SPLIT
     m = b // TOPK
     gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(tl.int64)
     e, ours = local_expert(gid, expert_offset, E)
@@ -581,19 +612,23 @@ def gemv1_kernel(
     acc_g = tl.zeros((BN, NB), dtype=tl.float32)
     up_w = w_e + up_rows[:, None, None] * KW + word_off[None, :, :]
     gate_w = w_e + gate_rows[:, None, None] * KW + word_off[None, :, :]
+    # this part's K range: whole steps
+    PER: tl.constexpr = ((K + BK - 1) // BK + SPLIT - 1) // SPLIT * BK
+    k_lo = part * PER
+    b_hi = tl.minimum(k_lo + PER, K) // 32  # the part's end, in blocks
     up_s = s_e + up_rows[:, None] * KS + j[None, :]
     gate_s = s_e + gate_rows[:, None] * KS + j[None, :]
     # Register double buffering: each step loads the NEXT chunk's codes and scales before decoding
     # this one, so a program keeps two chunks of HBM reads in flight (few programs at small M).
     # Masks are constant along a block's 4 words, so the code loads stay 16-byte vectors.
-    bnext = j < KS
-    cu = tl.load(up_w, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
-    cg = tl.load(gate_w, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
-    su = tl.load(up_s, mask=nvalid[:, None] & bnext[None, :], other=0)
-    sg = tl.load(gate_s, mask=nvalid[:, None] & bnext[None, :], other=0)
-    for k0 in range(0, K, BK):
+    bnext = (k_lo // 32 + j) < b_hi
+    cu = tl.load(up_w + k_lo // 8, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
+    cg = tl.load(gate_w + k_lo // 8, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
+    su = tl.load(up_s + k_lo // 32, mask=nvalid[:, None] & bnext[None, :], other=0)
+    sg = tl.load(gate_s + k_lo // 32, mask=nvalid[:, None] & bnext[None, :], other=0)
+    for k0 in range(k_lo, b_hi * 32, BK):
         bvalid = (k0 // 32 + j) < KS  # [NB]
-        bnext = (k0 // 32 + NB + j) < KS
+        bnext = (k0 // 32 + NB + j) < b_hi
         wm = nvalid[:, None, None] & bnext[None, :, None]
         sm = nvalid[:, None] & bnext[None, :]
         cu_next = tl.load(up_w + (k0 + BK) // 8, mask=wm, other=0)
@@ -611,7 +646,14 @@ def gemv1_kernel(
         acc_u += (pu * 16384.0) * e8m0_f32(su)
         acc_g += (pg * 16384.0) * e8m0_f32(sg)
         cu, cg, su, sg = cu_next, cg_next, su_next, sg_next
-    act = _swiglu(tl.sum(acc_u, axis=1), tl.sum(acc_g, axis=1), gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
+    up = tl.sum(acc_u, axis=1)
+    gate = tl.sum(acc_g, axis=1)
+    if SPLIT > 1:
+        tile = b.to(tl.int64) * ((N + BN - 1) // BN) + pid_n
+        last, up, gate = _last_of_split(part_ptr + tile * (SPLIT * 2 * BN), cnt_ptr + tile, part, up, gate, SPLIT)
+        if last == 0:
+            return
+    act = _swiglu(up, gate, gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
     act = tl.reshape(quant_dequant_mxfp8_tile(tl.reshape(act, (1, BN)), 1, BN), (BN,))
     tl.store(a_ptr + b.to(tl.int64) * N + offs_n, act, mask=nvalid)
 
@@ -651,32 +693,42 @@ def _gemv2_slot(a_row, w_e, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constex
            "out_fp16"),
       dnsa=("ids_ptr", "wts_ptr", "out_ptr"))
 def gemv2_kernel(
-    a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr,
+    a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
 ):
-    """Program (token m, K tile of BN outputs): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T`` over
-    the token's local slots in slot order, rounded once to the output dtype."""
+    """Program (token m, K tile of BN outputs, part): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T``
+    over the token's local slots in slot order, rounded once to the output dtype. With ``SPLIT``
+    > 1 the slots are split in that many runs of consecutive slots, one a program, and the last
+    program to finish adds the runs' sums in order (``_last_of_split``)."""
     pid = tl.program_id(0)
     m = pid % M
-    pid_n = pid // M
+    rest = pid // M
+    part = rest % SPLIT
+    pid_n = rest // SPLIT
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     NH: tl.constexpr = N // 2
     NS: tl.constexpr = N // 32
+    PER: tl.constexpr = (TOPK + SPLIT - 1) // SPLIT  # slots a part
     m64 = m.to(tl.int64)
     total = tl.zeros((BN,), dtype=tl.float32)
     for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
         gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
         e, ours = local_expert(gid, expert_offset, E)
-        if ours:
+        if ours & (jj // PER == part):
             w_e = (w_ptr + e * (K * NH)).to(tl.pointer_type(tl.int32))
             s_e = s_ptr + e * (K * NS)
             y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_e, s_e, offs_o, ovalid, N, BN, BK)
             if HAS_GS:
                 y = y * tl.load(gs_ptr + e)
             total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
+    if SPLIT > 1:
+        tile = m64 * ((K + BN - 1) // BN) + pid_n
+        last, total, _ = _last_of_split(part_ptr + tile * (SPLIT * 2 * BN), cnt_ptr + tile, part, total, total, SPLIT)
+        if last == 0:
+            return
     tl.store(out_ptr + m64 * stride_om + offs_o, f32_to_half_bits(total, out_fp16), mask=ovalid)
 
 

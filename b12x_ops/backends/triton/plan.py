@@ -52,9 +52,27 @@ class Config:
     # the small-M path: gemv1/gemv2 on the CUDA cores, one slot a program (bm is then 1, and
     # bn1/bk1/warps1/stages1, bn2/bk2/warps2/stages2 are the two GEMV kernels' tiles)
     gemv: bool = False
+    # the GEMV path only: programs that share one slot's K steps (gemv1) and one token's slots
+    # (gemv2), their sums added by the last to finish (``kernels._last_of_split``)
+    split1: int = 1
+    split2: int = 1
 
     def as_dict(self):
         return dataclasses.asdict(self)
+
+    def tiles1(self) -> tuple:
+        """What GEMM1's kernel is compiled and timed for (the tuner's key)."""
+        return (self.bn1, self.bk1, self.warps1, self.stages1, self.split1)
+
+    def tiles2(self) -> tuple:
+        return (self.bn2, self.bk2, self.warps2, self.stages2, self.split2)
+
+    @classmethod
+    def of(cls, bm: int, tiles1: tuple, tiles2: tuple, atomic: bool, gemv: bool = False) -> "Config":
+        """A config from ``tiles1()``/``tiles2()``-style tuples (4 entries: no split)."""
+        s1 = tiles1[4] if len(tiles1) > 4 else 1
+        s2 = tiles2[4] if len(tiles2) > 4 else 1
+        return cls(bm, *tiles1[:4], *tiles2[:4], atomic, gemv=gemv, split1=s1, split2=s2)
 
 
 # (bm, gemm1 (bn, bk, warps, stages), gemm2 (bn, bk, warps, stages)) by rows per touched expert:
@@ -125,7 +143,7 @@ def gemv_config(tokens: int, geometry) -> Config:
         g2 = _GEMV2[1]
     else:
         g2 = _GEMV2[2] if g.intermediate_size >= 2048 else _GEMV2[3]
-    return Config(1, *g1, *g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
+    return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
 def default_config(tokens: int, geometry, gemv=None) -> Config:
@@ -144,7 +162,7 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
     if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
         for g1 in _GEMV1:
             for g2 in _GEMV2:
-                out.append(Config(1, *g1, *g2, False, gemv=True))
+                out.append(Config.of(1, g1, g2, False, gemv=True))
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
@@ -250,7 +268,9 @@ class Arena:
         self.dry = dry  # only size the buffers (memory estimates): nothing is allocated
         self.sizes: dict[str, int] = {}
 
-    def need(self, name: str, numel: int, dtype) -> None:
+    def need(self, name: str, numel: int, dtype, zeroed: bool = False) -> None:
+        """At least ``numel`` elements of ``dtype`` in buffer ``name`` (``zeroed``: all zero when
+        made, for counters the kernels keep at zero between calls)."""
         if self.dry:
             nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
             self.sizes[name] = max(self.sizes.get(name, 0), nbytes)
@@ -260,7 +280,7 @@ class Arena:
             return
         if cur is not None:
             self.retired.append(cur)
-        self.buffers[name] = torch.empty(max(1, numel), dtype=dtype, device=self.device)
+        self.buffers[name] = (torch.zeros if zeroed else torch.empty)(max(1, numel), dtype=dtype, device=self.device)
 
     def __getitem__(self, name):
         return self.buffers[name]
@@ -314,7 +334,8 @@ class GeometryPlans:
     # ---- prepare
     def runner(self, cfg: Config) -> Runner:
         g = self.geometry
-        return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1), -(-g.hidden_size // cfg.bn2),
+        return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1) * cfg.split1,
+                      -(-g.hidden_size // cfg.bn2) * cfg.split2,
                       -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts,
                       "xq8" if self.fp8 else "xq", "act8" if self.fp8 and not cfg.gemv else "act")
 
@@ -333,9 +354,9 @@ class GeometryPlans:
         if kind == "prologue":
             key = (kind, cfg.bm, cfg.atomic)
         elif kind == "gemm1" and cfg.gemv:
-            key = ("gemv1", cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
+            key = ("gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
-            key = ("gemv2", cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)
+            key = ("gemv2",) + cfg.tiles2()
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
@@ -355,11 +376,11 @@ class GeometryPlans:
             ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                               UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                              BN=cfg.bn1, BK=cfg.bk1),
+                                              BN=cfg.bn1, BK=cfg.bk1, SPLIT=cfg.split1),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2" and cfg.gemv:
             ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                              HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2),
+                                              HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2, SPLIT=cfg.split2),
                         cfg.warps2, cfg.stages2)
         elif kind == "gemm1" and self.fp8:
             ln = Launch(K_.gemm1_fp8_kernel,
@@ -397,10 +418,17 @@ class GeometryPlans:
         for name, dt in (("xq", self.act_dtype), ("lid", torch.int32), ("wts", torch.float32), ("sorted", torch.int32),
                          ("blk_expert", torch.int32), ("blk_rows", torch.int32), ("cursor", torch.int32),
                          ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32),
-                         ("xq8", torch.uint8), ("xs", torch.uint8), ("act8", torch.uint8), ("as", torch.uint8)):
+                         ("xq8", torch.uint8), ("xs", torch.uint8), ("act8", torch.uint8), ("as", torch.uint8),
+                         ("part1", torch.float32), ("part2", torch.float32)):
             a.need(name, 1, dt)
-        if cfg.gemv:  # one activation row a slot, nothing else
-            a.need("act", cap * g.top_k * g.intermediate_size, self.act_dtype)
+        if cfg.gemv:  # one activation row a slot, and the split-K sums and counts
+            S = cap * g.top_k
+            t1, t2 = S * -(-g.intermediate_size // cfg.bn1), cap * -(-g.hidden_size // cfg.bn2)
+            a.need("act", S * g.intermediate_size, self.act_dtype)
+            a.need("part1", t1 * cfg.split1 * 2 * cfg.bn1 if cfg.split1 > 1 else 1, torch.float32)
+            a.need("part2", t2 * cfg.split2 * 2 * cfg.bn2 if cfg.split2 > 1 else 1, torch.float32)
+            a.need("cnt1", t1 if cfg.split1 > 1 else 1, torch.int32, zeroed=True)  # (reset by the kernels)
+            a.need("cnt2", t2 if cfg.split2 > 1 else 1, torch.int32, zeroed=True)
             return
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k
