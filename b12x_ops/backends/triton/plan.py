@@ -111,12 +111,15 @@ def _atomic(tokens: int, geometry) -> bool:
 GEMV_MAX_SLOTS = 32
 GEMV_MAX_TOKENS = 4
 # GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 32; bk: K step, a multiple of
-# 32; warps; stages), gemv2 (bn: K outputs; bk: N step). At small M there are few programs (slots
-# x tiles), so each must keep many bytes in flight (double-buffered loads of 16-32 KB a step):
-# with fewer than ~1.5 programs an SM the larger step wins; with many, smaller steps and wider
-# tiles (results/sweep_gemv_joined.md, H200). (No tl.dot: stages stay 1.)
-_GEMV1 = ((32, 256, 4, 1), (32, 512, 8, 1), (32, 1024, 8, 1), (64, 128, 4, 1), (32, 128, 4, 1))
-_GEMV2 = ((8, 1024, 4, 1), (16, 1024, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (8, 256, 4, 1))
+# 32; warps; stages; split: programs sharing a slot's K steps), gemv2 (bn: K outputs; bk: N step;
+# split: programs sharing a token's slots). At small M there are few programs (slots x tiles), so
+# each must keep many bytes in flight (double-buffered loads of 16-32 KB a step): with fewer than
+# ~1.5 programs an SM a longer step or a split wins; with many, smaller steps and wider tiles
+# (results/sweep_gemv_joined.md, results/sweep_gemv_split.md, H200). (No tl.dot: stages stay 1.)
+_GEMV1 = ((32, 256, 4, 1, 1), (32, 512, 8, 1, 1), (32, 1024, 8, 1, 1), (64, 128, 4, 1, 1), (32, 128, 4, 1, 1),
+          (32, 256, 4, 1, 2), (32, 512, 8, 1, 2), (32, 128, 4, 1, 2))
+_GEMV2 = ((8, 1024, 4, 1, 1), (16, 1024, 4, 1, 1), (16, 512, 4, 1, 1), (32, 256, 4, 1, 1), (8, 256, 4, 1, 1),
+          (8, 1024, 4, 1, 2), (16, 1024, 4, 1, 2), (32, 256, 4, 1, 2))
 _FEW_PROGRAMS = 200
 _MANY_PROGRAMS = 1000
 
@@ -133,12 +136,12 @@ def gemv_config(tokens: int, geometry) -> Config:
     g = geometry
     p1 = tokens * g.top_k * -(-g.intermediate_size // 32)
     p2 = tokens * -(-g.hidden_size // 16)
-    if p1 < _FEW_PROGRAMS:  # a long K step, but at least ~4 steps a row
-        g1 = _GEMV1[2] if g.hidden_size >= 4096 else _GEMV1[1]
+    if p1 < _FEW_PROGRAMS:  # K split in two: the longer step for the longer K
+        g1 = _GEMV1[6] if g.hidden_size >= 4096 else _GEMV1[5]
     else:
         g1 = _GEMV1[3] if p1 >= _MANY_PROGRAMS else _GEMV1[0]
-    if p2 < _FEW_PROGRAMS:
-        g2 = _GEMV2[0]
+    if p2 < _FEW_PROGRAMS:  # a token's slots split in two
+        g2 = _GEMV2[5]
     elif p2 < _MANY_PROGRAMS:
         g2 = _GEMV2[1]
     else:
