@@ -154,6 +154,21 @@ def log_host_profile(call, log, n=200):
             log("    " + line.strip()[:160])
 
 
+def _variant(args):
+    """``--variant``: a module under benchmarks/ whose ``gemm1_kernel``/``gemm2_kernel`` replace the
+    package's blocked GEMMs and whose ``on_prepare(handle)`` adapts each handle (every M then runs
+    the blocked path); None without it."""
+    if not getattr(args, "variant", None):
+        return None
+    import importlib
+
+    from b12x_ops.backends.triton import kernels as K_
+
+    mod = importlib.import_module(args.variant)
+    K_.gemm1_kernel, K_.gemm2_kernel = mod.gemm1_kernel, mod.gemm2_kernel  # (read when launches are built)
+    return mod
+
+
 def bench_geometry(name, geo, args, bw, peak, log):
     E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
     L = args.layers
@@ -161,9 +176,14 @@ def bench_geometry(name, geo, args, bw, peak, log):
     expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
     layers = [random_layer(E, K, N, dev, 100 + i) for i in range(L)]
     t0 = time.perf_counter()
+    variant = _variant(args)
+    extra = dict({"fp8": True} if args.fp8 else {}, **({"gemv": False} if variant is not None else {}))
     handles = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=not args.no_tune,
-                                        max_tokens=max(args.sizes), **({"fp8": True} if args.fp8 else {}))
+                                        max_tokens=max(args.sizes), **extra)
                for lw in layers]
+    if variant is not None:  # its layout of the handles' weights
+        for h in handles:
+            variant.on_prepare(h)
     prep_s = time.perf_counter() - t0
     log(f"{name}: prepared {L} layers in {prep_s:.1f}s; memory per layer {handles[0].memory}")
     ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
@@ -466,6 +486,9 @@ def main(argv=None):
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="the Triton backend's opt-in fp8 tensor-core GEMMs")
     ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
+    ap.add_argument("--variant", default=None,
+                    help="a module under benchmarks/ with blocked GEMMs under evaluation (e.g. experiments.repacked): "
+                         "timed in the package's place, every M on the blocked path")
     ap.add_argument("--gemv-compare", action="store_true",
                     help="only time the GEMV path against the blocked one (small M), print a table last")
     ap.add_argument("--gemv-sweep", nargs="*", type=int, default=None,
@@ -488,7 +511,8 @@ def main(argv=None):
     cmd = "python benchmarks/bench_moe.py" + ("" if not args.triton_kernels else " --triton-kernels <DIR>") + \
         ("" if not args.no_tune else " --no-tune") + \
         ("" if args.layers == 8 else f" --layers {args.layers}") + ("" if args.reps == 20 else f" --reps {args.reps}") + \
-        (" --diagnose" if args.diagnose else "") + (" --fp8" if args.fp8 else "")
+        (" --diagnose" if args.diagnose else "") + (" --fp8" if args.fp8 else "") + \
+        (f" --variant {args.variant}" if args.variant else "")
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bw=bw, bf16_peak=peak, command=cmd, geometries=[])
     for name in args.geometries:

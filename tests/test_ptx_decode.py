@@ -130,3 +130,40 @@ def test_ptx_decode_fold_range_is_tight():
     src = _decode_ptx_source(True)
     out = run_asm(src, {"$2": 0x0707, "$3": ptx_scale_pair(129, 129, True)})  # code 7 (6.0), scale byte 129
     assert _bf16_halves(out["$0"]).tolist() != [6.0 * 4.0, 6.0 * 4.0]
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_repacked_layout_decode_is_exact_on_the_emulator(fold):
+    """``benchmarks/experiments/repacked.py``: its packer and its one-word asm reproduce the
+    dequantizer at every position of a 16-row, 32-byte chunk (seven chunks of shifted code bytes,
+    each row with its own scale byte)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        from experiments import repacked as R
+    finally:
+        sys.path.pop(0)
+    src = R._decode_ptx4_source(fold)
+    assert len(re.findall(r"^fma", src, re.M)) == (4 if fold else 8)
+    ops = [ln for ln in src.splitlines() if re.match(r"[a-z]", ln) and not ln.startswith("mov")]
+    assert len(ops) == (15 if fold else 19)  # 8 weights (10 for 4 in _decode_ptx_source)
+    top = 128 if fold else 252
+    for shift in range(0, 256, 37):  # every code byte meets every position over the shifts
+        codes = ((torch.arange(16 * 32) * 7 + shift) % 256).to(torch.uint8).view(1, 16, 32)
+        sbytes = torch.tensor([2 + (r * 41 + shift) % (top - 1) for r in range(16)], dtype=torch.uint8)
+        want = dequantize_mxfp4(codes[0], sbytes[:, None].expand(16, 2).contiguous()).to(torch.bfloat16)  # [16, 64]
+        packed = R.repack_codes(codes)[0, 0, 0]  # [32 lanes, 16 bytes]
+        for lane in range(32):
+            r0, c = lane // 4, lane % 4
+            for wi in range(4):
+                s, kh = wi // 2, wi % 2
+                word = int.from_bytes(bytes(packed[lane, 4 * wi: 4 * wi + 4].tolist()), "little")
+                out = run_asm(src, {"$4": word, "$5": ptx_scale_pair(int(sbytes[r0]), int(sbytes[r0]), fold),
+                                    "$6": ptx_scale_pair(int(sbytes[r0 + 8]), int(sbytes[r0 + 8]), fold)})
+                h = 16 * s + 8 * kh + 2 * c  # the word's first K byte; weights 2h .. 2h + 3
+                for reg, row, odd in (("$0", r0, 0), ("$1", r0 + 8, 0), ("$2", r0, 1), ("$3", r0 + 8, 1)):
+                    got = _bf16_halves(out[reg])
+                    expect = torch.stack([want[row, 2 * h + odd], want[row, 2 * h + 2 + odd]]).double()
+                    assert torch.equal(got, expect), (fold, shift, lane, wi, reg)

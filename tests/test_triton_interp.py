@@ -280,6 +280,45 @@ def test_interp_gemv_stages_match_twins(variant, bk, split):
 
 
 @inner
+@pytest.mark.parametrize("layout, bk1, bk2", [("w13", 128, 64), ("w31", 64, 128)])
+def test_interp_experimental_repacked_gemms_match_the_package(layout, bk1, bk2):
+    """``benchmarks/experiments/repacked.py`` (the blocked GEMMs on a code layout repacked at
+    prepare, under evaluation) computes what the package's blocked GEMMs compute, bit for bit:
+    K = 192 at a K step of 128 leaves a half step, N = 128 at 64 four steps; two N tiles."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        from experiments import repacked as R
+    finally:
+        sys.path.pop(0)
+    from b12x_ops.backends.triton import _launch_all
+
+    layer = make_layer(E=5, K=192, N=128, top_k=3, seed=9, layout=layout, limit=3.0, global_scales=True, offset=2)
+    x, ids, w = make_batch(layer, 6, seed=8, padding_rows=1)
+    got = {}
+    for name in ("package", "repacked"):
+        h = layer.prepare(backend="triton", max_tokens=8, gemv=False, deterministic=True)
+        st, gp = h._state, h._state.plans
+        cfg = P.Config(16, 64, bk1, 4, 1, 32, bk2, 4, 1, False)
+        gp.reserve(8, cfg)
+        saved = K_.gemm1_kernel, K_.gemm2_kernel
+        if name == "repacked":
+            K_.gemm1_kernel, K_.gemm2_kernel = R.gemm1_kernel, R.gemm2_kernel
+            R.repack_handle(h)
+        try:
+            gp.launches.clear()  # launches are built from the module's kernels when first needed
+            out = torch.full_like(x, float("nan"))
+            gp.arena.buffers["act"].zero_()  # (rows no block writes stay equal)
+            _launch_all(st, cfg, x, ids, w, out)
+            got[name] = (gp.arena.buffers["act"].clone(), out)
+        finally:
+            K_.gemm1_kernel, K_.gemm2_kernel = saved
+            gp.launches.clear()
+    assert torch.isfinite(got["package"][1]).all() and got["package"][0].any()
+    assert torch.equal(got["repacked"][0], got["package"][0])
+    assert torch.equal(got["repacked"][1], got["package"][1])
+
+
+@inner
 def test_interp_gemm1_stage_matches_twin():
     layer, (x, ids, w) = case("int64_bf16w")
     h = layer.prepare(backend="triton", max_tokens=8, gemv=False)

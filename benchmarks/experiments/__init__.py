@@ -1,0 +1,1 @@
+"""Kernels under evaluation, not used by the package (see each module)."""
