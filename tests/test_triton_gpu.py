@@ -202,16 +202,23 @@ def test_gpu_gemv_path_matches_reference_and_blocked(name):
     out = torch.empty_like(x)
     b12x_ops.moe_w4a8_out(x, ids, w, hs[True], out)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        b12x_ops.moe_w4a8_out(x, ids, w, hs[True], out)
-    for seed in (31, 32):
-        x2, ids2, w2 = make_batch(layer, M, seed=seed, device="cuda", padding_rows=seed % 3)
+    _assert_graph_replays_new_inputs(lambda: b12x_ops.moe_w4a8_out(x, ids, w, hs[True], out), layer, ref, x, ids, w,
+                                     out, (31, 32))
+
+
+def _assert_graph_replays_new_inputs(run, layer, ref, x, ids, w, out, seeds):
+    """Capture ``run()`` (which writes ``out`` from ``x, ids, w``) in a CUDA graph, then replay it
+    on new batches copied into those tensors: each replay matches the reference."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed in seeds:
+        x2, ids2, w2 = make_batch(layer, x.shape[0], seed=seed, device="cuda", padding_rows=seed % 3)
         x.copy_(x2)
         ids.copy_(ids2)
         w.copy_(w2)
         out.fill_(float("nan"))
-        g.replay()
+        graph.replay()
         assert rel_l2(out, b12x_ops.moe_w4a8(x2, ids2, w2, ref)) <= 1e-2
 
 
@@ -246,17 +253,8 @@ def test_gpu_gemv_split_matches_reference_and_is_deterministic(name):
             a = st.plans.arena.buffers
             assert not a["cnt1"].any() and not a["cnt2"].any()
         out = torch.empty_like(x)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            _launch_all(st, cfg, x, ids, w, out)
-        for seed in (51, 52):
-            x2, ids2, w2 = make_batch(layer, M, seed=seed, device="cuda", padding_rows=seed % 2)
-            x.copy_(x2)
-            ids.copy_(ids2)
-            w.copy_(w2)
-            out.fill_(float("nan"))
-            graph.replay()
-            assert rel_l2(out, b12x_ops.moe_w4a8(x2, ids2, w2, ref)) <= 1e-2
+        _assert_graph_replays_new_inputs(lambda: _launch_all(st, cfg, x, ids, w, out), layer, ref, x, ids, w, out,
+                                         (51, 52))
 
 
 @pytest.mark.parametrize("fold, top", [(False, 252), (True, 128)])

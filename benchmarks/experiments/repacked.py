@@ -23,7 +23,9 @@ weights. Here the codes are stored so that:
 ``repack_codes`` makes the layout from the checkpoint's ``[E, rows, K / 2]`` bytes (rows and K / 2
 multiples of 16 and 32; K steps multiples of 64); ``gemm1_kernel`` and ``gemm2_kernel`` take it in
 place of the package's kernels of the same names and arguments (their ``w_ptr`` pointing at the
-repacked bytes, which ``repack_handle`` swaps into a handle). Time it with
+repacked bytes, which ``repack_handle`` swaps into a handle); their bodies are the package's but
+for the code tile's load and decode (``_load_decode``), so adopting the layout would replace the
+package's two kernels, not add to them. Time it with
 
     python benchmarks/bench_moe.py --variant experiments.repacked --no-tune --layers 4 --reps 10
 
