@@ -154,7 +154,7 @@ def log_host_profile(call, log, n=200):
             log("    " + line.strip()[:160])
 
 
-def _variant(args):
+def load_variant(args):
     """``--variant``: a module under benchmarks/ whose ``gemm1_kernel``/``gemm2_kernel`` replace the
     package's blocked GEMMs and whose ``on_prepare(handle)`` adapts each handle (every M then runs
     the blocked path); None without it."""
@@ -176,7 +176,7 @@ def bench_geometry(name, geo, args, bw, peak, log):
     expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
     layers = [random_layer(E, K, N, dev, 100 + i) for i in range(L)]
     t0 = time.perf_counter()
-    variant = _variant(args)
+    variant = load_variant(args)
     extra = dict({"fp8": True} if args.fp8 else {}, **({"gemv": False} if variant is not None else {}))
     handles = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=not args.no_tune,
                                         max_tokens=max(args.sizes), **extra)

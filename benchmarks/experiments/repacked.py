@@ -30,7 +30,8 @@ package's two kernels, not add to them. Time it with
     python benchmarks/bench_moe.py --variant experiments.repacked --no-tune --layers 4 --reps 10
 
 (every M on the blocked path) beside the same command without ``--variant`` (both on the
-blocked path from M = 8 up). Under the interpreter the decode runs as Triton
+blocked path from M = 8 up), and re-tune its tiles with ``benchmarks/sweep_blocked.py --variant
+experiments.repacked`` (K steps must stay multiples of 64). Under the interpreter the decode runs as Triton
 operations on the words (``_decode_words_ops``), so CI checks the index and bit logic against
 the package's kernels (bit for bit); ``tests/test_ptx_decode.py`` runs the asm on its emulator
 against the dequantizer. sm_90 SASS of the K loops at the default tiles (triton 3.6, gpt-oss):
