@@ -110,6 +110,10 @@ def test_experimental_repacked_gemms_compile_for_sm90_with_shorter_loops(offline
             loops[tag, ln.fn.__name__] = (n, ops)
             if tag == "repacked":
                 assert "0x01000100" in ck.asm["ptx"]  # the one-word decode's fourth pair
+                # the asm sees its 4 bytes in the MMA operand's register order (K pair, then row + 8),
+                # the grouping repack_codes writes: its operands are in that layout, not another
+                asm = [ln_ for ln_ in ck.asm["ttgir"].splitlines() if "elementwise_inline_asm" in ln_]
+                assert asm and all("dot_op<{opIdx = 0" in a and "#linear" not in a for a in asm)
     for name in ("gemm1_kernel", "gemm2_kernel"):
         (n0, ops0), (n1, ops1) = loops["package", name], loops["repacked", name]
         assert n1 <= 0.85 * n0, (name, n0, n1)

@@ -257,6 +257,41 @@ def test_gpu_gemv_split_matches_reference_and_is_deterministic(name):
                                          (51, 52))
 
 
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b"])
+def test_gpu_experimental_repacked_gemms_match_reference(name):
+    """``benchmarks/experiments/repacked.py`` (blocked GEMMs on a repacked code layout, under
+    evaluation) in the package's place: against the reference from 8 to 2048 tokens."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        from experiments import repacked as R
+    finally:
+        sys.path.pop(0)
+    from b12x_ops.backends.triton import kernels as K_
+
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    saved = K_.gemm1_kernel, K_.gemm2_kernel
+    K_.gemm1_kernel, K_.gemm2_kernel = R.gemm1_kernel, R.gemm2_kernel
+    h = None
+    try:
+        h = layer.prepare(backend="triton", tune=False, gemv=False, ptx=True, max_tokens=2048, frozen=False)
+        R.repack_handle(h)
+        for i, M in enumerate((8, 37, 512, 2048)):
+            x, ids, w = make_batch(layer, M, seed=60 + i, device="cuda", padding_rows=min(2, M // 8))
+            got = b12x_ops.moe_w4a8(x, ids, w, h)
+            assert rel_l2(got, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, (name, M)
+    finally:
+        K_.gemm1_kernel, K_.gemm2_kernel = saved
+        from b12x_ops.backends import triton as TB
+
+        for key, plans in list(TB._SHARED.items()):  # no later handle may meet the variant's launches
+            if h is not None and plans is h._state.plans:
+                del TB._SHARED[key]
+
+
 @pytest.mark.parametrize("fold, top", [(False, 252), (True, 128)])
 def test_gpu_ptx_decode_is_exact_for_every_code_and_scale(fold, top):
     """The inline-PTX MXFP4 decode against the package's dequantizer, bit for bit: every code byte
