@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from b12x_ops.backends.triton.kernels import _block_slots, _jit, _reduce_rows, _swiglu, _up_gate_rows, split_col
-from b12x_ops.backends.triton.mxtl import _ptx_scales, quant_dequant_mxfp8_tile
+from b12x_ops.backends.triton.kernels import _block_slots, _block_tile, _gemm1_tile, _jit, _reduce_rows, _store_act
+from b12x_ops.backends.triton.mxtl import _ptx_scales
 
 # source bit of each target bit, per bf16 pair of a word: (sign, e1, e0, m) of the low half; the
 # high half's are 16 higher
@@ -89,7 +89,9 @@ def repack_handle(h) -> None:
     st.w2 = repack_codes(st.w2)
 
 
-on_prepare = repack_handle  # (benchmarks/bench_moe.py --variant experiments.repacked)
+# (benchmarks/bench_moe.py --variant experiments.repacked: handles prepared with these options, then this)
+PREPARE_OPTIONS = dict(gemv=False)  # the new layout suits the blocked GEMMs only
+on_prepare = repack_handle
 
 
 def _decode_ptx4_source(fold: bool) -> str:
@@ -203,18 +205,11 @@ def gemm1_kernel(
     PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     """``kernels.gemm1_kernel`` with the codes in the repacked layout (``w_ptr``)."""
-    pid = tl.program_id(0)
-    NT: tl.constexpr = (N + BN - 1) // BN
-    pid_m = pid // NT
-    pid_n = pid % NT
-    e = tl.load(blk_expert_ptr + pid_m)
+    pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
     if e < 0:
         return
-    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
-    tok = (slot // TOPK).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nvalid = offs_n < N
-    up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
+    rows, rvalid, tok, offs_n, nvalid, up_rows, gate_rows = _gemm1_tile(pid_m, pid_n, blk_rows_ptr, sorted_ptr, N,
+                                                                        TOPK, UP_FIRST, BM, BN)
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 32
     BKH: tl.constexpr = BK // 2
@@ -251,9 +246,7 @@ def gemm1_kernel(
         acc_g = tl.dot(ge, xe, acc_g)
         acc_g = tl.dot(go, xo, acc_g)
         su, sg = su_next, sg_next
-    act = tl.trans(_swiglu(acc_u, acc_g, gs_ptr, e, limit, HAS_GS, HAS_LIMIT))  # [BM, BN]
-    act = quant_dequant_mxfp8_tile(act, BM, BN)
-    tl.store(a_ptr + rows[:, None] * N + split_col(offs_n)[None, :], act, mask=rvalid[:, None] & nvalid[None, :])
+    _store_act(acc_u, acc_g, gs_ptr, e, limit, a_ptr, rows, rvalid, offs_n, nvalid, N, HAS_GS, HAS_LIMIT)
 
 
 @_jit(dns=("nblocks",))
@@ -265,11 +258,7 @@ def gemm2_kernel(
     PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     """``kernels.gemm2_kernel`` with the codes in the repacked layout (``w_ptr``)."""
-    pid = tl.program_id(0)
-    NT: tl.constexpr = (K + BN - 1) // BN
-    pid_m = pid // NT
-    pid_n = pid % NT
-    e = tl.load(blk_expert_ptr + pid_m)
+    pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
     rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)

@@ -72,6 +72,17 @@ def local_expert(gid, expert_offset, E: tl.constexpr):
 
 
 @triton.jit
+def _block_tile(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr):
+    """A blocked GEMM program's ``(expert block, tile of BN of the OUT outputs, the block's
+    expert)``, block-major: a block's tiles run together and share its rows in L2. The expert is
+    negative for a block past the batch's real ones (the program then does nothing)."""
+    pid = tl.program_id(0)
+    NT: tl.constexpr = (OUT + BN - 1) // BN
+    pid_m = pid // NT
+    return pid_m, pid % NT, tl.load(blk_expert_ptr + pid_m)
+
+
+@triton.jit
 def _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM: tl.constexpr):
     """``(rows, valid, slot)`` of the ``BM`` rows of expert block ``pid_m``: their int64 row index in
     the block-ordered buffers, whether each holds a slot, and that slot."""
@@ -79,6 +90,20 @@ def _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM: tl.constexpr):
     rvalid = offs_r < tl.load(blk_rows_ptr + pid_m)
     slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
     return (pid_m * BM + offs_r).to(tl.int64), rvalid, slot
+
+
+@triton.jit
+def _gemm1_tile(pid_m, pid_n, blk_rows_ptr, sorted_ptr, N: tl.constexpr, TOPK: tl.constexpr,
+                UP_FIRST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A GEMM1 program's rows and columns: ``_block_slots``' rows and valid flags, the rows' token
+    indices (int64), the tile's intermediate columns and valid flags, and its W13 rows of up and
+    of gate."""
+    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
+    tok = (slot // TOPK).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nvalid = offs_n < N
+    up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
+    return rows, rvalid, tok, offs_n, nvalid, up_rows, gate_rows
 
 
 @triton.jit
@@ -102,6 +127,18 @@ def _swiglu(up, gate, gs_ptr, e, limit, HAS_GS: tl.constexpr, HAS_LIMIT: tl.cons
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
     return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _store_act(acc_u, acc_g, gs_ptr, e, limit, a_ptr, rows, rvalid, offs_n, nvalid, N: tl.constexpr,
+               HAS_GS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """GEMM1's epilogue: ``dq8(silu(gate) * up)`` of ``[BN, BM]`` tiles into the block's rows of
+    ``a`` (split layout)."""
+    BM: tl.constexpr = acc_u.shape[1]
+    BN: tl.constexpr = acc_u.shape[0]
+    act = tl.trans(_swiglu(acc_u, acc_g, gs_ptr, e, limit, HAS_GS, HAS_LIMIT))  # [BM, BN]
+    act = quant_dequant_mxfp8_tile(act, BM, BN)
+    tl.store(a_ptr + rows[:, None] * N + split_col(offs_n)[None, :], act, mask=rvalid[:, None] & nvalid[None, :])
 
 
 @triton.jit
@@ -318,18 +355,11 @@ def gemm1_kernel(
     block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX (``FOLD``:
     in its one-fma form, for scale bytes up to 128). ``xs`` and ``as`` (the fp8 kernels' scale
     bytes) are unused: both forms take the same arguments."""
-    pid = tl.program_id(0)
-    NT: tl.constexpr = (N + BN - 1) // BN
-    pid_m = pid // NT  # block-major: a block's tiles run together and share its rows in L2
-    pid_n = pid % NT
-    e = tl.load(blk_expert_ptr + pid_m)
+    pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
     if e < 0:
         return
-    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
-    tok = (slot // TOPK).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nvalid = offs_n < N
-    up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
+    rows, rvalid, tok, offs_n, nvalid, up_rows, gate_rows = _gemm1_tile(pid_m, pid_n, blk_rows_ptr, sorted_ptr, N,
+                                                                        TOPK, UP_FIRST, BM, BN)
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 32
     BKH: tl.constexpr = BK // 2
@@ -366,9 +396,7 @@ def gemm1_kernel(
         acc_g = tl.dot(ge, xe, acc_g)
         acc_g = tl.dot(go, xo, acc_g)
         su, sg = su_next, sg_next
-    act = tl.trans(_swiglu(acc_u, acc_g, gs_ptr, e, limit, HAS_GS, HAS_LIMIT))  # [BM, BN]
-    act = quant_dequant_mxfp8_tile(act, BM, BN)
-    tl.store(a_ptr + rows[:, None] * N + split_col(offs_n)[None, :], act, mask=rvalid[:, None] & nvalid[None, :])
+    _store_act(acc_u, acc_g, gs_ptr, e, limit, a_ptr, rows, rvalid, offs_n, nvalid, N, HAS_GS, HAS_LIMIT)
 
 
 @_jit(dns=("nblocks",))
@@ -383,11 +411,7 @@ def gemm2_kernel(
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
     accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic). ``as`` is
     unused (as in gemm1_kernel)."""
-    pid = tl.program_id(0)
-    NT: tl.constexpr = (K + BN - 1) // BN
-    pid_m = pid // NT  # block-major, as gemm1
-    pid_n = pid % NT
-    e = tl.load(blk_expert_ptr + pid_m)
+    pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
     rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
@@ -434,6 +458,8 @@ def gemm1_fp8_kernel(
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """As ``gemm1_kernel``; ``a``/``as`` receive the MXFP8 payload and scale bytes (element order)."""
+    # (_block_tile and _gemm1_tile written out: through the helpers ptxas orders this kernel's
+    # bm = 64 launches differently, and this is the form measured on the GPU)
     pid = tl.program_id(0)
     NT: tl.constexpr = (N + BN - 1) // BN
     pid_m = pid // NT
@@ -487,11 +513,7 @@ def gemm2_fp8_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """As ``gemm2_kernel``, reading the MXFP8 bytes gemm1_fp8 wrote."""
-    pid = tl.program_id(0)
-    NT: tl.constexpr = (K + BN - 1) // BN
-    pid_m = pid // NT
-    pid_n = pid % NT
-    e = tl.load(blk_expert_ptr + pid_m)
+    pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
     rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
