@@ -154,36 +154,43 @@ def log_host_profile(call, log, n=200):
             log("    " + line.strip()[:160])
 
 
-def load_variant(args):
-    """``--variant``: a module under benchmarks/ whose ``gemm1_kernel``/``gemm2_kernel`` replace the
-    package's blocked GEMMs and whose ``on_prepare(handle)`` adapts each handle (every M then runs
-    the blocked path); None without it."""
-    if not getattr(args, "variant", None):
+def load_variant(name):
+    """``--variant``: a module under benchmarks/ with stage kernels under evaluation (None for no
+    name). Each of ``gemm1_kernel``, ``gemm2_kernel``, ``gemv1_kernel``, ``gemv2_kernel`` it defines
+    replaces the package's (launches read them when built); its optional ``PREPARE_OPTIONS`` (say
+    ``gemv=False``) go to ``prepare_experts`` and ``on_prepare(handle)`` adapts each handle
+    (``adapt_handles``)."""
+    if not name:
         return None
     import importlib
 
     from b12x_ops.backends.triton import kernels as K_
 
-    mod = importlib.import_module(args.variant)
-    K_.gemm1_kernel, K_.gemm2_kernel = mod.gemm1_kernel, mod.gemm2_kernel  # (read when launches are built)
+    mod = importlib.import_module(name)
+    for kernel in ("gemm1_kernel", "gemm2_kernel", "gemv1_kernel", "gemv2_kernel"):
+        if hasattr(mod, kernel):
+            setattr(K_, kernel, getattr(mod, kernel))
     return mod
 
 
-def bench_geometry(name, geo, args, bw, peak, log):
+def adapt_handles(variant, handles):
+    """``handles``, each passed to ``variant``'s ``on_prepare`` if it has one (say, to repack them)."""
+    for h in handles:
+        getattr(variant, "on_prepare", lambda _: None)(h)
+    return handles
+
+
+def bench_geometry(name, geo, args, bw, peak, log, variant=None):
     E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
     L = args.layers
     dev = "cuda"
     expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
     layers = [random_layer(E, K, N, dev, 100 + i) for i in range(L)]
     t0 = time.perf_counter()
-    variant = load_variant(args)
-    extra = dict({"fp8": True} if args.fp8 else {}, **({"gemv": False} if variant is not None else {}))
-    handles = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=not args.no_tune,
-                                        max_tokens=max(args.sizes), **extra)
-               for lw in layers]
-    if variant is not None:  # its layout of the handles' weights
-        for h in handles:
-            variant.on_prepare(h)
+    opts = dict({"fp8": True} if args.fp8 else {}, **getattr(variant, "PREPARE_OPTIONS", {}))
+    handles = adapt_handles(variant, [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
+                                                               tune=not args.no_tune, max_tokens=max(args.sizes), **opts)
+                                      for lw in layers])
     prep_s = time.perf_counter() - t0
     log(f"{name}: prepared {L} layers in {prep_s:.1f}s; memory per layer {handles[0].memory}")
     ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
@@ -515,8 +522,9 @@ def main(argv=None):
         (f" --variant {args.variant}" if args.variant else "")
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bw=bw, bf16_peak=peak, command=cmd, geometries=[])
+    variant = load_variant(args.variant)
     for name in args.geometries:
-        res["geometries"].append(bench_geometry(name, GEOMETRIES[name], args, bw, peak, log))
+        res["geometries"].append(bench_geometry(name, GEOMETRIES[name], args, bw, peak, log, variant))
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(res, f, indent=1)
         write_markdown(res, os.path.join(args.out, "results.md"))  # (a run cut short keeps its table)

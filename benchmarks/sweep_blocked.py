@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, graph_time, layer_batches, load_variant, markdown_log, random_layer  # noqa: E402
+from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log,  # noqa: E402
+                       random_layer)
 
 G1 = [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)]
 G2 = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 4, 3)]
@@ -61,7 +62,7 @@ def main(argv=None):
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ whose blocked GEMMs replace the package's (bench_moe.py --variant)")
     args = ap.parse_args(argv)
-    variant = load_variant(args)
+    variant = load_variant(args.variant)
     t_start = time.perf_counter()
     emit = markdown_log(args.out, f"# Blocked-path tile sweep ({torch.cuda.get_device_name()}); whole op, "
                                   f"us per layer, CUDA-graph replay over {args.layers} layers"
@@ -83,9 +84,7 @@ def main(argv=None):
         if torch.cuda.get_device_capability() >= (8, 9):
             hs_fp8 = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
                                                max_tokens=max(args.sizes), frozen=False, fp8=True) for lw in layers]
-        if variant is not None:  # (the fp8 handles run their own kernels)
-            for h in hs + hs_np:
-                variant.on_prepare(h)
+        adapt_handles(variant, hs + hs_np)  # (the fp8 handles run their own kernels)
         ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
         g = hs[0]._state.plans.geometry
         emit(f"## {name}")
@@ -125,7 +124,7 @@ def main(argv=None):
                 return t if err <= 1e-2 else float("inf")
 
             base_t = P.default_config(M, g, gemv=False)
-            if M * top_k <= 2 * P.GEMV_MAX_SLOTS and variant is None:  # (a variant's weights suit its GEMMs only)
+            if M * top_k <= 2 * P.GEMV_MAX_SLOTS and getattr(variant, "PREPARE_OPTIONS", {}).get("gemv") is not False:
                 trial(P.default_config(M, g, gemv=True))
             trial(base_t, hs_np, "(no PTX) ")
             if hs_fp8:

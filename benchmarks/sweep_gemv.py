@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, graph_time, layer_batches, markdown_log, random_layer  # noqa: E402
+from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log,  # noqa: E402
+                       random_layer)
 
 # (bn, bk, warps, stages, split): gemv1 (bn: N outputs of up and of gate, a multiple of 32), gemv2
 # (bn: K outputs). The kernels double-buffer their loads in registers (stages stays 1); split: the
@@ -51,16 +52,9 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=240.0, help="seconds, split evenly between the geometries")
     ap.add_argument("--out", default="sweep_gemv.md")
     ap.add_argument("--variant", default=None,
-                    help="a module under benchmarks/ whose gemv1_kernel/gemv2_kernel replace the package's "
-                         "(a candidate kernel pair under evaluation)")
+                    help="a module under benchmarks/ whose GEMV kernels replace the package's (bench_moe.load_variant)")
     args = ap.parse_args(argv)
-    if args.variant:
-        import importlib
-
-        from b12x_ops.backends.triton import kernels as K_
-
-        mod = importlib.import_module(args.variant)
-        K_.gemv1_kernel, K_.gemv2_kernel = mod.gemv1_kernel, mod.gemv2_kernel  # (read when launches are built)
+    variant = load_variant(args.variant)
     t_start = time.perf_counter()
     emit = markdown_log(args.out, f"# GEMV-path tile sweep ({torch.cuda.get_device_name()}); us per layer, "
                                   f"CUDA-graph replay over {args.layers} layers; limit at {args.bw / 1e12:.2f} TB/s"
@@ -73,8 +67,9 @@ def main(argv=None):
         E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
         expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
         layers = [random_layer(E, K, N, "cuda", 100 + i) for i in range(args.layers)]
-        hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False, gemv=True,
-                                       max_tokens=max(args.sizes), frozen=False) for lw in layers]
+        hs = adapt_handles(variant, [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
+                                                              tune=False, gemv=True, max_tokens=max(args.sizes),
+                                                              frozen=False) for lw in layers])
         ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
         g = hs[0]._state.plans.geometry
         emit(f"## {name}")
