@@ -157,8 +157,11 @@ def _print_memory(args, chosen: str) -> None:
         scratch = f"{scratch_estimate(geo, caps) * mib:.1f} MiB"
     except ImportError:
         scratch = "(triton is not installed)"
-    print(f"  triton     {ckpt * mib:.1f} MiB on the device (the MXFP4 bytes only: no bf16 copy, no repack) "
-          f"+ {scratch} of scratch shared by all layers of the geometry (max_tokens {args.max_tokens})")
+    # the triton backend's code layout pads each row to whole 32-byte chunks (K and N to multiples of 64)
+    tri = e * (2 * n * -(-k // 64) * 32 + k * -(-n // 64) * 32) + scales
+    print(f"  triton     {tri * mib:.1f} MiB on the device (the MXFP4 bytes only, repacked for its kernels in place of "
+          f"the checkpoint's: no bf16 copy) + {scratch} of scratch shared by all layers of the geometry "
+          f"(max_tokens {args.max_tokens})")
     print(f"  auto ({chosen}) keeps {ckpt * mib:.1f} MiB a layer: 1.00x the checkpoint")
 
 

@@ -187,7 +187,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
     expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
     layers = [random_layer(E, K, N, dev, 100 + i) for i in range(L)]
     t0 = time.perf_counter()
-    opts = dict({"fp8": True} if args.fp8 else {}, **getattr(variant, "PREPARE_OPTIONS", {}))
+    opts = dict(getattr(variant, "PREPARE_OPTIONS", {}))
     handles = adapt_handles(variant, [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
                                                                tune=not args.no_tune, max_tokens=max(args.sizes), **opts)
                                       for lw in layers])
@@ -491,11 +491,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--triton-kernels", default=None, help="folder holding the triton_kernels package (a peer)")
     ap.add_argument("--no-tune", action="store_true")
-    ap.add_argument("--fp8", action="store_true", help="the Triton backend's opt-in fp8 tensor-core GEMMs")
     ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
     ap.add_argument("--variant", default=None,
-                    help="a module under benchmarks/ with blocked GEMMs under evaluation (e.g. experiments.repacked): "
-                         "timed in the package's place, every M on the blocked path")
+                    help="a module under benchmarks/ (say experiments.<name>) with stage kernels under evaluation: "
+                         "timed in the package's place (see load_variant)")
     ap.add_argument("--gemv-compare", action="store_true",
                     help="only time the GEMV path against the blocked one (small M), print a table last")
     ap.add_argument("--gemv-sweep", nargs="*", type=int, default=None,
@@ -518,7 +517,7 @@ def main(argv=None):
     cmd = "python benchmarks/bench_moe.py" + ("" if not args.triton_kernels else " --triton-kernels <DIR>") + \
         ("" if not args.no_tune else " --no-tune") + \
         ("" if args.layers == 8 else f" --layers {args.layers}") + ("" if args.reps == 20 else f" --reps {args.reps}") + \
-        (" --diagnose" if args.diagnose else "") + (" --fp8" if args.fp8 else "") + \
+        (" --diagnose" if args.diagnose else "") + \
         (f" --variant {args.variant}" if args.variant else "")
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bw=bw, bf16_peak=peak, command=cmd, geometries=[])

@@ -34,11 +34,11 @@ from b12x_ops.backends.triton import plan as P  # noqa: E402
 # element types of the pointer arguments, by name (what ``_launch`` passes)
 _I16 = {"x_ptr", "wts_in_ptr", "out_ptr"}
 _I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cursor_ptr", "cnt_ptr"}
-_U8 = {"w_ptr", "s_ptr", "xs_ptr", "as_ptr"}
+_U8 = {"w_ptr", "s_ptr"}
 _F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr"}
 
 
-def signature(launch: P.Launch, fp8: bool) -> tuple[dict, dict]:
+def signature(launch: P.Launch) -> tuple[dict, dict]:
     fn = launch.fn
     no_align = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize_on_alignment", ())}
     sig, attrs = {}, {}
@@ -52,7 +52,7 @@ def signature(launch: P.Launch, fp8: bool) -> tuple[dict, dict]:
                 t = "*i16"
             elif name in _I32:
                 t = "*i32"
-            elif name in _U8 or (fp8 and name in ("xq_ptr", "a_ptr") and not gemv):
+            elif name in _U8:
                 t = "*u8"
             elif name in _F32 or name == "wts_ptr":
                 t = "*fp32"
@@ -100,8 +100,8 @@ def loop_profile(cubin: bytes) -> list[tuple[int, collections.Counter]]:
     return loops
 
 
-def compile_launch(launch: P.Launch, arch: int, fp8: bool):
-    sig, attrs = signature(launch, fp8)
+def compile_launch(launch: P.Launch, arch: int):
+    sig, attrs = signature(launch)
     src = ASTSource(launch.fn, sig, dict(launch.constexprs), attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
@@ -115,7 +115,6 @@ def main(argv=None):
     ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
     ap.add_argument("--sizes", nargs="*", type=int, default=[1, 8, 64, 512, 8192])
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
-    ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--gemv", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--stages", nargs="*", default=["prologue", "gemm1", "gemm2", "finalize"])
     ap.add_argument("--loops", action="store_true", help="count each loop body's SASS instructions by kind")
@@ -128,7 +127,7 @@ def main(argv=None):
     for name in args.geometries:
         geo = GEOMETRIES[name]
         g = _geometry(geo)
-        gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fp8=args.fp8, fold=True)
+        gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fold=True)
         gp.ptx = gp.fold = True  # what a GPU prepare with usual scales (bytes in [2, 128]) chooses
         gp.dot_dtype = triton.language.bfloat16
         done = set()
@@ -139,7 +138,7 @@ def main(argv=None):
                     continue
                 done.add(id(ln))
                 try:
-                    ck = compile_launch(ln, args.arch, args.fp8)
+                    ck = compile_launch(ln, args.arch)
                     res = resources(ck.asm["cubin"], ln.fn.__name__)
                     asyncs = ck.asm["ptx"].count("cp.async")
                     res = res.split(" CONSTANT")[0] + f" dyn-smem:{ck.metadata.shared}"

@@ -4,7 +4,7 @@
 
 For every geometry and M, the whole op (four launches) is timed as CUDA-graph replay over
 ``--layers`` layers' handles for each candidate configuration: the default (with the inline-PTX
-decode and without it; the opt-in fp8 GEMMs with a few tiles), then per block size every GEMM1
+decode and without it), then per block size every GEMM1
 tile with the default GEMM2 tile and
 every GEMM2 tile with the best GEMM1 tile. Each configuration's output is checked against the
 reference first. Prints a table per geometry (and writes it to ``--out``); stops cleanly when
@@ -79,12 +79,7 @@ def main(argv=None):
         # the same weights with the Triton-ops decode instead of inline PTX (the transposed GEMMs)
         hs_np = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
                                           max_tokens=max(args.sizes), frozen=False, ptx=False) for lw in layers]
-        # and on the opt-in fp8 tensor-core GEMMs (sm_89+)
-        hs_fp8 = []
-        if torch.cuda.get_device_capability() >= (8, 9):
-            hs_fp8 = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
-                                               max_tokens=max(args.sizes), frozen=False, fp8=True) for lw in layers]
-        adapt_handles(variant, hs + hs_np)  # (the fp8 handles run their own kernels)
+        adapt_handles(variant, hs + hs_np)
         ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
         g = hs[0]._state.plans.geometry
         emit(f"## {name}")
@@ -127,11 +122,6 @@ def main(argv=None):
             if M * top_k <= 2 * P.GEMV_MAX_SLOTS and getattr(variant, "PREPARE_OPTIONS", {}).get("gemv") is not False:
                 trial(P.default_config(M, g, gemv=True))
             trial(base_t, hs_np, "(no PTX) ")
-            if hs_fp8:
-                for bm in block_sizes(M, g):
-                    for g1 in G1[:2]:
-                        trial(dataclasses.replace(base_t, bm=bm, bn1=g1[0], bk1=g1[1], warps1=g1[2], stages1=g1[3]),
-                              hs_fp8, "(fp8) ")
             trial(base_t)
             for bm in block_sizes(M, g):
                 c0 = dataclasses.replace(base_t, bm=bm)
@@ -149,7 +139,7 @@ def main(argv=None):
             if ok:
                 best = min(ok, key=ok.get)
                 emit(f"| {M} | **best** {best} | **{ok[best]:.1f}** | | |")
-        del hs, hs_np, hs_fp8, ref, layers
+        del hs, hs_np, ref, layers
         torch.cuda.empty_cache()
 
 

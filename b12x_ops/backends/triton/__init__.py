@@ -6,22 +6,20 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   per geometry and GPU; results are cached on disk (``cache_dir``, else ``$B12X_OPS_CACHE_DIR``,
   else ``~/.cache/b12x_ops``) and reused by later processes. ``False`` uses the built-in defaults.
 * ``cache_dir`` (str): where the tuning cache lives.
-* ``gemv`` (bool or None, default None): the small-M GEMV path (CUDA cores, one routed slot a
-  program) serves token counts of at most ``plan.GEMV_MAX_TOKENS`` tokens and
+* ``gemv`` (bool or None, default None): the small-M GEMV path (one routed slot a program, no
+  routing pass) serves token counts of at most ``plan.GEMV_MAX_TOKENS`` tokens and
   ``plan.GEMV_MAX_SLOTS`` slots (``tokens * top_k``), the blocked tensor-core path the rest (the
   tuner may pick either below the bound); ``True`` uses GEMV for every planned count, ``False``
   never (benchmarks compare the two this way).
-* ``ptx`` (bool or None, default None): the blocked path's GEMMs decode MXFP4 with inline PTX
-  (``mxtl.decode_mxfp4_pair_ptx``) when the checkpoint's scale bytes allow it (in [2, 252]; in
+* ``ptx`` (bool or None, default None): the kernels decode MXFP4 with inline PTX
+  (``mxtl.load_decode_repacked``) when the checkpoint's scale bytes allow it (in [2, 252]; in
   [2, 128], the usual case, its cheaper one-fma form); ``False`` uses the Triton-ops decode (a
   benchmark and debugging switch).
-* ``fp8`` (bool, default False): the blocked path's GEMMs on fp8 tensor cores (``gemm1_fp8``,
-  ``gemm2_fp8``: MXFP8 activations kept as bytes, weights decoded to E4M3, block scales applied to
-  each K = 32 partial sum); needs sm_89 or newer. Experimental: exact, but slower than the
-  default on the H200 (``benchmarks/results/sweep_fp8.md``).
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 
+The handle keeps the MXFP4 codes in the layout of ``layout.py`` (made at prepare, in place of the
+checkpoint's: the same bytes but for K padded to a multiple of 64) and the scale bytes as they are.
 The per-call path (``run``) is four precompiled launches (two on the small-M GEMV path; see
 ``kernels.py``) and no host sync.
 Under ``TRITON_INTERPRET=1`` the backend also runs on the CPU, with fp32 operands (the CPU
@@ -37,7 +35,7 @@ import weakref
 import torch
 
 NAME = "triton"
-_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "ptx", "fp8")
+_OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "ptx")
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
@@ -66,7 +64,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 @dataclasses.dataclass
 class State:
     plans: object  # plan.GeometryPlans, shared by the geometry's handles
-    w13: torch.Tensor
+    w13: torch.Tensor  # codes in the repacked layout (layout.py)
     w13_scale: torch.Tensor
     w2: torch.Tensor
     w2_scale: torch.Tensor
@@ -79,6 +77,7 @@ class State:
 
 def prepare(spec) -> State:
     from . import plan as P
+    from .layout import repack_codes
 
     unknown = sorted(set(spec.options) - set(_OPTIONS))
     if unknown:
@@ -89,8 +88,7 @@ def prepare(spec) -> State:
     frozen = bool(spec.options.get("frozen", True))
     gemv = spec.options.get("gemv", None)
     ptx = spec.options.get("ptx", None)
-    fp8 = spec.options.get("fp8", False)
-    for opt, val in (("gemv", gemv), ("ptx", ptx), ("fp8", fp8)):
+    for opt, val in (("gemv", gemv), ("ptx", ptx)):
         if val is not None and not isinstance(val, bool):
             raise ValueError(f"prepare_experts: backend 'triton' option {opt}: expected None, True or False, got {val!r}")
 
@@ -100,14 +98,10 @@ def prepare(spec) -> State:
     hi = max(int(t.max()) for t in (spec.w13_scale, spec.w2_scale))
     fast = lo >= 2 and hi <= 252
     fold = lo >= 2 and hi <= 128  # (the usual case: weight scales of at most 2)
-    if fp8 and on_gpu and torch.cuda.get_device_capability(g.device) < (8, 9):
-        cc = torch.cuda.get_device_capability(g.device)
-        raise ValueError(f"prepare_experts: backend 'triton' option fp8: needs fp8 tensor cores (compute capability "
-                         f"8.9 or newer), the device has {cc[0]}.{cc[1]}")
-    key = (g, fast, fold, gemv, ptx, bool(fp8))
+    key = (g, fast, fold, gemv, ptx)
     shared = _SHARED.get(key)
     if shared is None:
-        shared = P.GeometryPlans(g, fast, gemv, ptx, fp8=bool(fp8), fold=fold)
+        shared = P.GeometryPlans(g, fast, gemv, ptx, fold=fold)
         _SHARED[key] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 
@@ -115,7 +109,7 @@ def prepare(spec) -> State:
         return t if t.is_contiguous() else t.contiguous()
 
     state = State(
-        plans=shared, w13=dense(spec.w13), w13_scale=dense(spec.w13_scale), w2=dense(spec.w2),
+        plans=shared, w13=repack_codes(spec.w13), w13_scale=dense(spec.w13_scale), w2=repack_codes(spec.w2),
         w2_scale=dense(spec.w2_scale),
         g13=spec.w13_global_scale if spec.w13_global_scale is not None else ones,
         g2=spec.w2_global_scale if spec.w2_global_scale is not None else ones,
@@ -163,7 +157,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     mode = state.plans.gemv
     if not tune:
         return {c: P.default_config(c, g, mode) for c in caps}
-    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx, state.plans.fp8)
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -220,7 +214,8 @@ def _tune_one(state, cap):
     best = None
     for bm, gemv in sorted({(c.bm, c.gemv) for c in cands}):
         group = [c for c in cands if (c.bm, c.gemv) == (bm, gemv)]
-        gp.reserve(cap, group[0])
+        for c in group:  # (scratch for every candidate: a split's partial sums and counters too)
+            gp.reserve(cap, c)
         # routing for this block size, once (the GEMV path has none)
         _launch_all(state, group[0], x, ids, w, out, stages=("prologue",))
         t1 = {}
@@ -300,34 +295,33 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         if "gemm1" in stages:
             rn.gemm1((S * rn.n_tiles1, 1, 1),
-                     x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a[rn.act_buf], a["part1"],
+                     x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a["act"], a["part1"],
                      a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
         if "gemm2" in stages:
             rn.gemm2((m * rn.n_tiles2, 1, 1),
-                     a[rn.act_buf], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
+                     a["act"], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
                      a["part2"], a["cnt2"], m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
                      int(out.dtype == torch.float16))
         return
     nb = rn.blocks(S)
     dst = a["acc"] if cfg.atomic else a["slots"]
-    xq, act = a[rn.x_buf], a[rn.act_buf]
+    xq, act = a["xq"], a["act"]
     if "prologue" in stages:
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         rn.prologue(
             (1 + -(-m // rn.prologue_rows), 1, 1),
-            ids32, w16, x.view(torch.int16), xq, a["xs"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
+            ids32, w16, x.view(torch.int16), xq, a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
             a["blk_rows"], a["cursor"], m, si0, si1, sw0, sw1, x.stride(0), state.expert_offset, nb, w_kind,
             int(x.dtype == torch.float16))
     if "gemm1" in stages:
         rn.gemm1(
             (nb * rn.n_tiles1, 1, 1),
-            xq, a["xs"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act,
-            a["as"], nb, state.limit)
+            xq, a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act, nb,
+            state.limit)
     if "gemm2" in stages:
         rn.gemm2(
             (nb * rn.n_tiles2, 1, 1),
-            act, a["as"], a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"],
-            dst, nb)
+            act, a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"], dst, nb)
     if "finalize" in stages:
         rn.finalize(
             (-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
@@ -348,7 +342,7 @@ def scratch_estimate(geometry, capacities, gemv=None) -> int:
 def memory_report(state) -> dict[str, int]:
     held = sum(t.numel() * t.element_size() for t in (state.w13, state.w13_scale, state.w2, state.w2_scale))
     return {
-        "device_bytes": held,  # the MXFP4 bytes only (no repack, no bf16 copy)
+        "device_bytes": held,  # the MXFP4 bytes only, repacked in place of the checkpoint's (no bf16 copy)
         "checkpoint_bytes": state.checkpoint_bytes,
         "shared_scratch_bytes": state.plans.arena.nbytes(),  # one arena per geometry, shared by its layers
     }

@@ -29,8 +29,7 @@ import triton.language as tl
 
 from ..reference import swiglu as swiglu_torch
 from ...mx import dequantize_mxfp4, quant_dequant_mxfp8
-from .mxtl import (decode_mxfp4_e4m3, decode_mxfp4_pair, decode_mxfp4_pair_ptx, e2m1_nibble_pair_f32_2m14, e8m0_f32,
-                   mxfp8_apply, mxfp8_block_scale, quant_dequant_mxfp8_tile, quant_mxfp8_bytes)
+from .mxtl import load_decode_repacked, mxfp8_apply, mxfp8_block_scale, quant_dequant_mxfp8_tile
 
 
 def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
@@ -158,17 +157,6 @@ def _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr,
 
 
 
-@triton.jit
-def _decode_weights(codes, scale_bytes, BN: tl.constexpr, BKH: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                    FAST: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
-    """The blocked GEMMs' MXFP4 decode of a ``[BN, BKH]`` code tile, ``(even, odd)``: inline PTX
-    where the plans chose it (``FOLD``: its one-fma form), else Triton ops."""
-    if PTX:
-        even, odd = decode_mxfp4_pair_ptx(codes, scale_bytes, BN, BKH, FOLD)
-    else:
-        even, odd = decode_mxfp4_pair(codes, scale_bytes, BN, BKH, DOT_DTYPE, FAST)
-    return even, odd
-
 # ------------------------------------------------------------------------------------- prologue
 def _jit(*, dns, dnsa=()):
     """``triton.jit`` for kernels launched precompiled: arguments that change from call to call
@@ -212,16 +200,14 @@ def f32_to_half_bits(v, is_fp16):
            "x_fp16"),
       dnsa=("ids_ptr", "wts_in_ptr", "x_ptr"))
 def prologue_kernel(
-    ids_ptr, wts_in_ptr, x_ptr, xq_ptr, xs_ptr, acc_ptr,
+    ids_ptr, wts_in_ptr, x_ptr, xq_ptr, acc_ptr,
     lid_ptr, wts_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, cursor_ptr,
     M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks, w_kind, x_fp16,
     K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
     CH: tl.constexpr, BCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr, ZERO_ACC: tl.constexpr,
-    FP8: tl.constexpr,
 ):
-    """Program 0 routes; the others quantize rows of x: dequantized in the split column order into
-    ``xq`` (bf16), or with ``FP8`` as E4M3 payload bytes (element order) into ``xq`` and E8M0 bytes
-    into ``xs`` (uint8), for the fp8 GEMMs."""
+    """Program 0 routes; the others quantize rows of x to MXFP8, stored dequantized (exact in the
+    GEMMs' bf16) in the split column order into ``xq``."""
     pid = tl.program_id(0)
     if pid == 0:
         # ---- routing, one program: histogram, expert blocks, scatter
@@ -271,15 +257,8 @@ def prologue_kernel(
             ks = k0 + tl.arange(0, QK)
             msk = rm[:, None] & (ks < K)[None, :]
             raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0)
-            if FP8:
-                bits, byte = quant_mxfp8_bytes(half_bits_to_f32(raw, x_fp16), QR, QK)
-                tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], bits, mask=msk)
-                kb = k0 // 32 + tl.arange(0, QK // 32)
-                tl.store(xs_ptr + rows.to(tl.int64)[:, None] * (K // 32) + kb[None, :], byte,
-                         mask=rm[:, None] & (kb < K // 32)[None, :])
-            else:
-                q = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
-                tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + split_col(ks)[None, :], q, mask=msk)
+            q = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
+            tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + split_col(ks)[None, :], q, mask=msk)
             if ZERO_ACC:
                 tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32), mask=msk)
 
@@ -338,23 +317,37 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
 # Each program computes ``W[e] tile @ rows^T``: a ``[BN, BM]`` tile with the weight rows on the
 # MMA's M side (64 a warpgroup on Hopper) and the expert block's rows (as few as 16) on its N side.
 # The decoded weights are the MMA's first operand, which Hopper can take from registers; the
-# activations (split layout, see ``split_col``) are the second. Programs run block-major (a
+# activations (split layout, see ``split_col``) are the second. The codes are in the repacked
+# layout (``layout.py``): a step loads 16 contiguous bytes a lane a 32-byte chunk and decodes them
+# in the operand's own registers (``mxtl.load_decode_repacked``). Programs run block-major (a
 # block's N tiles side by side), so that at large M a block's activation rows are read from HBM
 # once, not once per N tile. (Measured on the H200 against the row-major form, ``rows @ W^T`` with
-# tiles of rows: 2-6x faster; ``benchmarks/results/sweep_blocked.md``.)
+# tiles of rows: 2-6x faster; ``benchmarks/results/sweep_blocked.md``.) K steps (``BK``) are
+# multiples of 64, BN multiples of 16.
+@triton.jit
+def _w13_groups(w_ptr, e, pid_n, N: tl.constexpr, NQ: tl.constexpr, BN: tl.constexpr, UP_FIRST: tl.constexpr):
+    """The first repacked row groups of a W13 tile's up and gate rows (expert ``e``, columns
+    ``pid_n * BN ..``), and which of the tile's 16-row groups exist."""
+    w_e = w_ptr + e.to(tl.int64) * (2 * N * NQ * 32)
+    UP0: tl.constexpr = 0 if UP_FIRST else N  # the first W13 row of up, and of gate
+    GATE0: tl.constexpr = N if UP_FIRST else 0
+    up_g = w_e + ((pid_n * BN + UP0) // 16) * (NQ * 512)
+    gate_g = w_e + ((pid_n * BN + GATE0) // 16) * (NQ * 512)
+    gvalid = (pid_n * BN + 16 * tl.arange(0, BN // 16)) < N
+    return up_g, gate_g, gvalid
+
+
 @_jit(dns=("nblocks",))
 def gemm1_kernel(
-    xq_ptr, xs_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, as_ptr,
+    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
     nblocks, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
-    PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
+    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN columns of up and of gate): ``dq8(silu(gate) * up)`` of the
     block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX (``FOLD``:
-    in its one-fma form, for scale bytes up to 128). ``xs`` and ``as`` (the fp8 kernels' scale
-    bytes) are unused: both forms take the same arguments."""
+    in its one-fma form, for scale bytes up to 128)."""
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
     if e < 0:
         return
@@ -363,7 +356,8 @@ def gemm1_kernel(
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 32
     BKH: tl.constexpr = BK // 2
-    w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
+    NQ: tl.constexpr = (KH + 31) // 32  # 32-byte chunks a row (the last one padded)
+    up_g, gate_g, gvalid = _w13_groups(w_ptr, e, pid_n, N, NQ, BN, UP_FIRST)
     s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
@@ -383,16 +377,13 @@ def gemm1_kernel(
         xm = hmask[:, None] & rvalid[None, :]
         xe = tl.load(xT + k0, mask=xm, other=0.0).to(DOT_DTYPE)
         xo = tl.load(xT + k0 + 16, mask=xm, other=0.0).to(DOT_DTYPE)
-        wm = nvalid[:, None] & hmask[None, :]
         sm = nvalid[:, None] & ((k0 // 32 + BK // 32 + offs_s) < KS)[None, :]
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
-        cu = tl.load(w_e + up_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        ue, uo = _decode_weights(cu, su, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
+        ue, uo = load_decode_repacked(up_g, gvalid, k0 // 64, NQ, su, BN, BKH, DOT_DTYPE, PTX, FOLD)
         acc_u = tl.dot(ue, xe, acc_u)
         acc_u = tl.dot(uo, xo, acc_u)
-        cg = tl.load(w_e + gate_rows[:, None] * KH + k0 // 2 + offs_h[None, :], mask=wm, other=0)
-        ge, go = _decode_weights(cg, sg, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
+        ge, go = load_decode_repacked(gate_g, gvalid, k0 // 64, NQ, sg, BN, BKH, DOT_DTYPE, PTX, FOLD)
         acc_g = tl.dot(ge, xe, acc_g)
         acc_g = tl.dot(go, xo, acc_g)
         su, sg = su_next, sg_next
@@ -401,16 +392,15 @@ def gemm1_kernel(
 
 @_jit(dns=("nblocks",))
 def gemm2_kernel(
-    a_ptr, as_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+    a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
     nblocks,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, FAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
-    accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic). ``as`` is
-    unused (as in gemm1_kernel)."""
+    accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic)."""
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
@@ -420,7 +410,9 @@ def gemm2_kernel(
     NH: tl.constexpr = N // 2
     NS: tl.constexpr = N // 32
     BKH: tl.constexpr = BK // 2
-    w_e = w_ptr + e.to(tl.int64) * (K * NH)
+    NQ: tl.constexpr = (NH + 31) // 32
+    w_g = w_ptr + e.to(tl.int64) * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512)
+    gvalid = (pid_n * BN + 16 * tl.arange(0, BN // 16)) < K
     s_e = s_ptr + e.to(tl.int64) * (K * NS)
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
@@ -433,141 +425,26 @@ def gemm2_kernel(
         am = hmask[:, None] & rvalid[None, :]
         ae = tl.load(aT + n0, mask=am, other=0.0).to(DOT_DTYPE)
         ao = tl.load(aT + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
-        wm = ovalid[:, None] & hmask[None, :]
         sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < NS)[None, :]
         s_next = tl.load(row_s + (n0 + BK) // 32, mask=sm, other=0)
-        c = tl.load(w_e + offs_o[:, None] * NH + n0 // 2 + offs_h[None, :], mask=wm, other=0)
-        we, wo = _decode_weights(c, s, BN, BKH, DOT_DTYPE, FAST, PTX, FOLD)
+        we, wo = load_decode_repacked(w_g, gvalid, n0 // 64, NQ, s, BN, BKH, DOT_DTYPE, PTX, FOLD)
         acc = tl.dot(we, ae, acc)
         acc = tl.dot(wo, ao, acc)
         s = s_next
     _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)
 
 
-# --------------------------------------------------------------------------------- fp8 GEMMs
-# The blocked GEMMs on fp8 tensor cores (opt-in: ``prepare_experts(..., fp8=True)``, sm_89+): the
-# activations stay MXFP8 (E4M3 payload bytes + E8M0 bytes, from the prologue and gemm1), the
-# weights decode to E4M3 exactly (``mxtl.decode_mxfp4_e4m3``), and each K = 32 block is one fp8
-# MMA whose fp32 partial sum is scaled by the weight row's and the token row's block scales before
-# it is added. Same grids, routing and epilogues as gemm1/gemm2; BK is 32 x the blocks a step.
-@_jit(dns=("nblocks",))
-def gemm1_fp8_kernel(
-    xq_ptr, xs_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, as_ptr,
-    nblocks, limit,
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    """As ``gemm1_kernel``; ``a``/``as`` receive the MXFP8 payload and scale bytes (element order)."""
-    # (_block_tile and _gemm1_tile written out: through the helpers ptxas orders this kernel's
-    # bm = 64 launches differently, and this is the form measured on the GPU)
-    pid = tl.program_id(0)
-    NT: tl.constexpr = (N + BN - 1) // BN
-    pid_m = pid // NT
-    pid_n = pid % NT
-    e = tl.load(blk_expert_ptr + pid_m)
-    if e < 0:
-        return
-    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
-    tok = (slot // TOPK).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nvalid = offs_n < N
-    up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
-    KH: tl.constexpr = K // 2
-    KS: tl.constexpr = K // 32
-    NSUB: tl.constexpr = BK // 32
-    w_e = w_ptr + e.to(tl.int64) * (2 * N * KH)
-    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
-    offs_h = tl.arange(0, 16)
-    x_cols = xq_ptr + tok[None, :] * K + tl.arange(0, 32)[:, None]  # [32, BM]
-    x_sc = xs_ptr + tok * KS
-    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(0, KS, NSUB):
-        for j in tl.static_range(NSUB):
-            kb = k0 + j
-            kv = (kb + tl.arange(0, 1)) < KS  # [1]: this block exists (a tail step may pass the end)
-            x8 = tl.load(x_cols + kb * 32, mask=rvalid[None, :] & kv[:, None], other=0)
-            x8 = x8.to(tl.float8e4nv, bitcast=True)
-            sx = e8m0_f32(tl.load(x_sc + kb, mask=rvalid & kv, other=0))
-            wm = nvalid[:, None] & kv[None, :]
-            cu = tl.load(w_e + up_rows[:, None] * KH + kb * 16 + offs_h[None, :], mask=wm, other=0)
-            su = e8m0_f32(tl.load(s_e + up_rows * KS + kb, mask=nvalid & kv, other=0))
-            pu = tl.dot(decode_mxfp4_e4m3(cu, BN, 16), x8)
-            acc_u += (pu * su[:, None]) * sx[None, :]
-            cg = tl.load(w_e + gate_rows[:, None] * KH + kb * 16 + offs_h[None, :], mask=wm, other=0)
-            sg = e8m0_f32(tl.load(s_e + gate_rows * KS + kb, mask=nvalid & kv, other=0))
-            pg = tl.dot(decode_mxfp4_e4m3(cg, BN, 16), x8)
-            acc_g += (pg * sg[:, None]) * sx[None, :]
-    act = tl.trans(_swiglu(acc_u, acc_g, gs_ptr, e, limit, HAS_GS, HAS_LIMIT))  # [BM, BN]
-    bits, byte = quant_mxfp8_bytes(act, BM, BN)
-    tl.store(a_ptr + rows[:, None] * N + offs_n[None, :], bits, mask=rvalid[:, None] & nvalid[None, :])
-    sb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
-    tl.store(as_ptr + rows[:, None] * (N // 32) + sb[None, :], byte, mask=rvalid[:, None] & (sb < N // 32)[None, :])
-
-
-@_jit(dns=("nblocks",))
-def gemm2_fp8_kernel(
-    a_ptr, as_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
-    nblocks,
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-):
-    """As ``gemm2_kernel``, reading the MXFP8 bytes gemm1_fp8 wrote."""
-    pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
-    if e < 0:
-        return
-    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
-    offs_o = pid_n * BN + tl.arange(0, BN)
-    ovalid = offs_o < K
-    NH: tl.constexpr = N // 2
-    NS: tl.constexpr = N // 32
-    NSUB: tl.constexpr = BK // 32
-    w_e = w_ptr + e.to(tl.int64) * (K * NH)
-    s_e = s_ptr + e.to(tl.int64) * (K * NS)
-    offs_h = tl.arange(0, 16)
-    a_cols = a_ptr + rows[None, :] * N + tl.arange(0, 32)[:, None]  # [32, BM]
-    a_sc = as_ptr + rows * NS
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for n0 in range(0, NS, NSUB):
-        for j in tl.static_range(NSUB):
-            nb = n0 + j
-            kv = (nb + tl.arange(0, 1)) < NS
-            a8 = tl.load(a_cols + nb * 32, mask=rvalid[None, :] & kv[:, None], other=0)
-            a8 = a8.to(tl.float8e4nv, bitcast=True)
-            sa = e8m0_f32(tl.load(a_sc + nb, mask=rvalid & kv, other=0))
-            c = tl.load(w_e + offs_o[:, None] * NH + nb * 16 + offs_h[None, :], mask=ovalid[:, None] & kv[None, :],
-                        other=0)
-            sw = e8m0_f32(tl.load(s_e + offs_o * NS + nb, mask=ovalid & kv, other=0))
-            p = tl.dot(decode_mxfp4_e4m3(c, BN, 16), a8)
-            acc += (p * sw[:, None]) * sa[None, :]
-    _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)
-
-
 # ---------------------------------------------------------------------------------- small-M GEMV
 # The small-M path is two launches and needs no routing pass: ``gemv1`` runs per (routed slot,
 # N tile) and reads the slot's expert id itself (foreign and padding slots exit at once), quantizes
-# its token's row of x to MXFP8 on the fly and writes the slot's ``dq8(silu(gate) * up)`` row;
-# ``gemv2`` runs per (token, K tile), adds the token's slots in slot order (deterministic, no
-# atomics, no accumulator to zero) and writes the output in its dtype. Both are matrix-vector
-# products on the CUDA cores (no tensor-core tile padded from 1 row to 16): the codes load as
-# int32 words (16-byte vectors), decode two nibbles at a time through fp16 bits to fp32 (times
-# 2^-14) and multiply the activations elementwise; the products are summed per 32-element block
-# first, so the E8M0 scale (and 2^14) is one multiply per 32 elements. The decoded nibble pairs are
-# joined in registers into one ``[rows, blocks, 4, 2, 2, 2]`` tile in the activations' own element
-# order, so the activation tile takes one layout conversion a step (sliced per nibble, each slice
-# took its own: 8 more on sm_90, two barriers each); gemv1 loads its chunk of x as ``[blocks, 32]``
-# so a block's maximum is taken within a warp.
-@triton.jit
-def _decode_words(words):
-    """``[.., 4]`` int32 code words as ``[.., 4, 2, 2, 2]`` fp32 weights times 2^-14, indexed
-    ``[word, h, t1, t0]`` = nibble ``4h + 2 t1 + t0``: a word's natural element order."""
-    a0, b0 = e2m1_nibble_pair_f32_2m14(words, 0)
-    a1, b1 = e2m1_nibble_pair_f32_2m14(words, 1)
-    a2, b2 = e2m1_nibble_pair_f32_2m14(words, 2)
-    a3, b3 = e2m1_nibble_pair_f32_2m14(words, 3)
-    return tl.join(tl.join(tl.join(a0, b0), tl.join(a2, b2)), tl.join(tl.join(a1, b1), tl.join(a3, b3)))
-
-
+# its token's row of x to MXFP8 on the fly and writes the slot's ``dq8(silu(gate) * up)`` row
+# (split layout); ``gemv2`` runs per (token, K tile), adds the token's slots in slot order
+# (deterministic, no atomics, no accumulator to zero) and writes the output in its dtype. Both
+# decode the codes as the blocked GEMMs do (``mxtl.load_decode_repacked``, the MMA operand's own
+# registers) and multiply on the tensor cores with the one row as column 0 of a 16-column operand
+# whose other columns are zero: the MMA's work is wasted 15 times over, but the decode (the
+# ALU cost per weight, which bounds these kernels) is the blocked path's cheap one. (The CUDA-core
+# form, fp32 products summed per 32-element block, took about 5.4 instructions a weight.)
 @triton.jit
 def _last_of_split(part_ptr, cnt_ptr, part, u, v, SPLIT: tl.constexpr):
     """The split-K handshake of the GEMV kernels. Each of a tile's ``SPLIT`` programs stores its
@@ -592,20 +469,27 @@ def _last_of_split(part_ptr, cnt_ptr, part, u, v, SPLIT: tl.constexpr):
     return last.to(tl.int32), su, sv
 
 
+@triton.jit
+def _column0(v, DOT_DTYPE: tl.constexpr):
+    """``[BKH]`` values as the ``[BKH, 16]`` MMA operand whose column 0 they are (the rest zeros)."""
+    col = tl.arange(0, 16)
+    return tl.where(col[None, :] == 0, v[:, None], 0.0).to(DOT_DTYPE)
+
+
 @_jit(dns=("S", "stride_xm", "stride_im", "stride_ik", "expert_offset", "x_fp16"), dnsa=("x_ptr", "ids_ptr"))
 def gemv1_kernel(
     x_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr,
     S, stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SPLIT: tl.constexpr = 1,
+    DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     """Program (slot b, N tile, K part): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into
-    ``a[b]``. ``x`` and the ids come as raw 16-/32-bit views (see ``prologue_kernel``). With
-    ``SPLIT`` > 1 the K steps are split between that many programs (more programs in flight
-    where slots x tiles are few): each writes its fp32 sums to ``part``, and the last to finish
-    (``_last_of_split``) adds them in part order (the same bits whichever finishes last) and
-    writes the activations."""
+    row ``b`` of ``a`` (split layout). ``x`` and the ids come as raw 16-/32-bit views (see
+    ``prologue_kernel``). With ``SPLIT`` > 1 the K steps are split between that many programs
+    (more programs in flight where slots x tiles are few): each writes its fp32 sums to ``part``,
+    and the last to finish (``_last_of_split``) adds them in part order (the same bits whichever
+    finishes last) and writes the activations."""
     pid = tl.program_id(0)
     b = pid % S
     rest = pid // S
@@ -620,55 +504,47 @@ def gemv1_kernel(
     nvalid = offs_n < N
     up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
     KH: tl.constexpr = K // 2
-    KW: tl.constexpr = K // 8  # int32 words of codes a row
     KS: tl.constexpr = K // 32
+    BKH: tl.constexpr = BK // 2
     NB: tl.constexpr = BK // 32
-    w_e = (w_ptr + e * (2 * N * KH)).to(tl.pointer_type(tl.int32))
+    NQ: tl.constexpr = (KH + 31) // 32
+    up_g, gate_g, gvalid = _w13_groups(w_ptr, e, pid_n, N, NQ, BN, UP_FIRST)
     s_e = s_ptr + e * (2 * N * KS)
-    j = tl.arange(0, NB)  # 32-element block within the chunk
-    q = tl.arange(0, 4)  # word within the block
-    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    j = tl.arange(0, NB)  # 32-element block within the step
     r32 = tl.arange(0, 32)
-    acc_u = tl.zeros((BN, NB), dtype=tl.float32)
-    acc_g = tl.zeros((BN, NB), dtype=tl.float32)
-    up_w = w_e + up_rows[:, None, None] * KW + word_off[None, :, :]
-    gate_w = w_e + gate_rows[:, None, None] * KW + word_off[None, :, :]
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
     # this part's K range: whole steps
     PER: tl.constexpr = ((K + BK - 1) // BK + SPLIT - 1) // SPLIT * BK
     k_lo = part * PER
-    b_hi = tl.minimum(k_lo + PER, K) // 32  # the part's end, in blocks
+    k_hi = tl.minimum(k_lo + PER, K)
     up_s = s_e + up_rows[:, None] * KS + j[None, :]
     gate_s = s_e + gate_rows[:, None] * KS + j[None, :]
-    # Register double buffering: each step loads the NEXT chunk's codes and scales before decoding
-    # this one, so a program keeps two chunks of HBM reads in flight (few programs at small M).
-    # Masks are constant along a block's 4 words, so the code loads stay 16-byte vectors.
-    bnext = (k_lo // 32 + j) < b_hi
-    cu = tl.load(up_w + k_lo // 8, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
-    cg = tl.load(gate_w + k_lo // 8, mask=nvalid[:, None, None] & bnext[None, :, None], other=0)
-    su = tl.load(up_s + k_lo // 32, mask=nvalid[:, None] & bnext[None, :], other=0)
-    sg = tl.load(gate_s + k_lo // 32, mask=nvalid[:, None] & bnext[None, :], other=0)
-    for k0 in range(k_lo, b_hi * 32, BK):
-        bvalid = (k0 // 32 + j) < KS  # [NB]
-        bnext = (k0 // 32 + NB + j) < b_hi
-        wm = nvalid[:, None, None] & bnext[None, :, None]
-        sm = nvalid[:, None] & bnext[None, :]
-        cu_next = tl.load(up_w + (k0 + BK) // 8, mask=wm, other=0)
-        cg_next = tl.load(gate_w + (k0 + BK) // 8, mask=wm, other=0)
-        su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
-        sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
-        # this chunk of x (shared by the program's BN rows), quantized to MXFP8 on the fly
-        raw = tl.load(x_row + k0 + 32 * j[:, None] + r32[None, :], mask=bvalid[:, None], other=0)
+    sm = nvalid[:, None] & ((k_lo // 32 + j) < KS)[None, :]
+    su = tl.load(up_s + k_lo // 32, mask=sm, other=0)  # scale bytes one step ahead, as in gemm1
+    sg = tl.load(gate_s + k_lo // 32, mask=sm, other=0)
+    acc_u = tl.zeros((BN, 16), dtype=tl.float32)
+    acc_g = tl.zeros((BN, 16), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        # this step of x, quantized to MXFP8 on the fly (a block's maximum within a warp), then
+        # its even and odd elements as column 0 of the MMA's second operand
+        raw = tl.load(x_row + k0 + 32 * j[:, None] + r32[None, :], mask=((k0 + 32 * j) < K)[:, None], other=0)
         xv = half_bits_to_f32(raw, x_fp16)
         pow2, inv = mxfp8_block_scale(tl.max(tl.abs(xv), axis=1))
         xv = mxfp8_apply(xv, pow2[:, None], inv[:, None])
-        xv = tl.reshape(xv, (NB, 4, 2, 2, 2))[None, :, :, :, :, :]  # element 4h + 2 t1 + t0: (h, t1, t0)
-        pu = tl.sum(tl.reshape(_decode_words(cu) * xv, (BN, NB, 32)), axis=2)
-        pg = tl.sum(tl.reshape(_decode_words(cg) * xv, (BN, NB, 32)), axis=2)
-        acc_u += (pu * 16384.0) * e8m0_f32(su)
-        acc_g += (pg * 16384.0) * e8m0_f32(sg)
-        cu, cg, su, sg = cu_next, cg_next, su_next, sg_next
-    up = tl.sum(acc_u, axis=1)
+        xe, xo = tl.split(tl.reshape(xv, (NB, 16, 2)))
+        xe = _column0(tl.reshape(xe, (BKH,)), DOT_DTYPE)
+        xo = _column0(tl.reshape(xo, (BKH,)), DOT_DTYPE)
+        sm = nvalid[:, None] & ((k0 // 32 + NB + j) < KS)[None, :]
+        su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
+        sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
+        ue, uo = load_decode_repacked(up_g, gvalid, k0 // 64, NQ, su, BN, BKH, DOT_DTYPE, PTX, FOLD)
+        acc_u = tl.dot(ue, xe, acc_u)
+        acc_u = tl.dot(uo, xo, acc_u)
+        ge, go = load_decode_repacked(gate_g, gvalid, k0 // 64, NQ, sg, BN, BKH, DOT_DTYPE, PTX, FOLD)
+        acc_g = tl.dot(ge, xe, acc_g)
+        acc_g = tl.dot(go, xo, acc_g)
+        su, sg = su_next, sg_next
+    up = tl.sum(acc_u, axis=1)  # (columns 1.. are zeros)
     gate = tl.sum(acc_g, axis=1)
     if SPLIT > 1:
         tile = b.to(tl.int64) * ((N + BN - 1) // BN) + pid_n
@@ -677,37 +553,34 @@ def gemv1_kernel(
             return
     act = _swiglu(up, gate, gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
     act = tl.reshape(quant_dequant_mxfp8_tile(tl.reshape(act, (1, BN)), 1, BN), (BN,))
-    tl.store(a_ptr + b.to(tl.int64) * N + offs_n, act, mask=nvalid)
+    tl.store(a_ptr + b.to(tl.int64) * N + split_col(offs_n), act, mask=nvalid)
 
 
 @triton.jit
-def _gemv2_slot(a_row, w_e, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``dq8(a) @ W2[e]^T`` for one slot's activation row and ``BN`` output rows, fp32 ``[BN]``."""
-    NW: tl.constexpr = N // 8  # int32 words of codes a row
+def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
+    """``dq8(a) @ W2[e]^T`` for one slot's activation row (split layout) and ``BN`` output rows
+    (their repacked row groups from ``w_g``), fp32 ``[BN]``."""
+    NH: tl.constexpr = N // 2
     NS: tl.constexpr = N // 32
-    NB: tl.constexpr = BK // 32
-    j = tl.arange(0, NB)
-    q = tl.arange(0, 4)
-    word_off = j[:, None] * 4 + q[None, :]  # [NB, 4]
-    r8 = tl.arange(0, 8)
-    acc = tl.zeros((BN, NB), dtype=tl.float32)
-    row_w = w_e + offs_o[:, None, None] * NW + word_off[None, :, :]
-    row_s = s_e + offs_o[:, None] * NS + j[None, :]
-    # register double buffering of the codes and scales, as in gemv1
-    bnext = j < NS
-    c = tl.load(row_w, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
-    sc = tl.load(row_s, mask=ovalid[:, None] & bnext[None, :], other=0)
+    BKH: tl.constexpr = BK // 2
+    NQ: tl.constexpr = (NH + 31) // 32
+    offs_h = tl.arange(0, BKH)
+    offs_s = tl.arange(0, BK // 32)
+    a_h = a_row + 32 * (offs_h // 16) + offs_h % 16
+    acc = tl.zeros((BN, 16), dtype=tl.float32)
+    row_s = s_e + offs_o[:, None] * NS + offs_s[None, :]
+    s = tl.load(row_s, mask=ovalid[:, None] & (offs_s < NS)[None, :], other=0)
     for n0 in range(0, N, BK):
-        bvalid = (n0 // 32 + j) < NS
-        bnext = (n0 // 32 + NB + j) < NS
-        c_next = tl.load(row_w + (n0 + BK) // 8, mask=ovalid[:, None, None] & bnext[None, :, None], other=0)
-        sc_next = tl.load(row_s + (n0 + BK) // 32, mask=ovalid[:, None] & bnext[None, :], other=0)
-        av = tl.load(a_row + n0 + 8 * word_off[:, :, None] + r8[None, None, :], mask=bvalid[:, None, None],
-                     other=0.0).to(tl.float32)
-        av = tl.reshape(av, (NB, 4, 2, 2, 2))[None, :, :, :, :, :]
-        p = tl.sum(tl.reshape(_decode_words(c) * av, (BN, NB, 32)), axis=2)
-        acc += (p * 16384.0) * e8m0_f32(sc)
-        c, sc = c_next, sc_next
+        hmask = (n0 // 2 + offs_h) < NH
+        ae = _column0(tl.load(a_h + n0, mask=hmask, other=0.0), DOT_DTYPE)
+        ao = _column0(tl.load(a_h + n0 + 16, mask=hmask, other=0.0), DOT_DTYPE)
+        sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < NS)[None, :]
+        s_next = tl.load(row_s + (n0 + BK) // 32, mask=sm, other=0)
+        we, wo = load_decode_repacked(w_g, gvalid, n0 // 64, NQ, s, BN, BKH, DOT_DTYPE, PTX, FOLD)
+        acc = tl.dot(we, ae, acc)
+        acc = tl.dot(wo, ao, acc)
+        s = s_next
     return tl.sum(acc, axis=1)
 
 
@@ -718,7 +591,8 @@ def gemv2_kernel(
     a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
     M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False,
+    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     """Program (token m, K tile of BN outputs, part): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T``
     over the token's local slots in slot order, rounded once to the output dtype. With ``SPLIT``
@@ -731,18 +605,19 @@ def gemv2_kernel(
     pid_n = rest // SPLIT
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
-    NH: tl.constexpr = N // 2
     NS: tl.constexpr = N // 32
+    NQ: tl.constexpr = (N // 2 + 31) // 32
     PER: tl.constexpr = (TOPK + SPLIT - 1) // SPLIT  # slots a part
+    gvalid = (pid_n * BN + 16 * tl.arange(0, BN // 16)) < K
     m64 = m.to(tl.int64)
     total = tl.zeros((BN,), dtype=tl.float32)
     for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
         gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
         e, ours = local_expert(gid, expert_offset, E)
         if ours & (jj // PER == part):
-            w_e = (w_ptr + e * (K * NH)).to(tl.pointer_type(tl.int32))
-            s_e = s_ptr + e * (K * NS)
-            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_e, s_e, offs_o, ovalid, N, BN, BK)
+            w_g = w_ptr + e * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512)
+            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_g, gvalid, s_ptr + e * (K * NS), offs_o, ovalid, N, BN,
+                            BK, DOT_DTYPE, PTX, FOLD)
             if HAS_GS:
                 y = y * tl.load(gs_ptr + e)
             total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)

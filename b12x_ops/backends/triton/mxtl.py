@@ -14,115 +14,51 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def e2m1_bits_bf16(nib):
-    """bf16 bit pattern (int32) of the E2M1 code ``nib`` (0..15).
-
-    A code ``s e1 e0 m`` with exponent field ``em >> 1 > 0`` is ``2^(e-1) * (1 + m/2)``: bf16
-    exponent ``126 + e``, top mantissa bit ``m``, i.e. ``(em << 6) + (126 << 7)``. Code 1 is 0.5, 0 is 0.
-    """
-    em = nib & 7
-    bits = tl.where(em >= 2, (em << 6) + (126 << 7), tl.where(em == 1, 0x3F00, 0))
-    return bits | ((nib & 8) << 12)
-
-
-@triton.jit
-def _scaled_bits(nib, base):
-    """bf16 bits of E2M1 ``nib`` times ``2^(byte - 127)``, the scale folded into the exponent.
-
-    ``base = (byte << 7) - 128``. For a code with exponent field ``E = em >> 1 > 0`` the bf16
-    exponent is ``E - 1 + byte`` and the mantissa's top bit ``m``: ``(em << 6) + base``; code 1
-    (0.5) has exponent ``byte - 1`` and no mantissa, 64 less; code 0 is 0. Exact for bytes in
-    [2, 252] (the exponent stays normal), which prepare checks before choosing this path.
-    """
-    em = nib & 7
-    mag = (em << 6) + base - tl.where(em == 1, 64, 0)
-    mag = tl.where(em == 0, 0, mag)
-    return mag | ((nib & 8) << 12)
-
-
-@triton.jit
-def decode_mxfp4_pair(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                      FAST: tl.constexpr):
-    """Decode a ``[BR, BKH]`` tile of MXFP4 bytes into its even and odd elements.
-
-    ``scale_bytes`` is the ``[BR, BKH // 16]`` E8M0 bytes of the tile (one per 16 bytes = 32
-    elements). Returns ``(even, odd)``, each ``[BR, BKH]`` in ``OUT_DTYPE``: ``even[:, i]`` is
-    element ``2i`` of the tile (the low nibble of byte ``i``), ``odd[:, i]`` element ``2i + 1``.
-    ``FAST`` folds the scale into the bf16 exponent with integer ops (scale bytes in [2, 252]);
-    otherwise the decoded value is multiplied by the scale in fp32.
-    """
-    c = codes.to(tl.int32)
-    if FAST:
-        base = (scale_bytes.to(tl.int32) << 7) - 128
-        base = tl.reshape(tl.broadcast_to(base[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
-        even = _scaled_bits(c & 15, base).to(tl.int16).to(tl.bfloat16, bitcast=True).to(OUT_DTYPE)
-        odd = _scaled_bits(c >> 4, base).to(tl.int16).to(tl.bfloat16, bitcast=True).to(OUT_DTYPE)
-    else:
-        lo = e2m1_bits_bf16(c & 15).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = e2m1_bits_bf16(c >> 4).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        # 2^(byte - 127) on its bits (byte 0 gives 0 instead of 2^-127: below any useful weight).
-        sc = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
-        even = (lo.to(tl.float32) * sc).to(OUT_DTYPE)
-        odd = (hi.to(tl.float32) * sc).to(OUT_DTYPE)
-    return even, odd
-
-
-# Inline PTX decode of MXFP4 to bf16 for the tensor-core GEMMs (GPU only; the interpreter and
-# checkpoints with scale bytes outside [2, 252] take ``decode_mxfp4_pair``). One instance takes 2
-# code bytes (the low half of a 32-bit register: the two bytes a thread holds side by side in the
-# MMA operand layout, so no bytes are gathered from other registers) and their two scales as a
-# bf16 pair, and returns two bf16 pairs: the bytes' low nibbles' values (``even``) and their high
-# nibbles' (``odd``):
-#  * ``prmt`` spreads the two code bytes 16 bits apart (bytes 0, 1 -> bits 0 and 16);
-#  * even pair: two shifts place the low nibble's magnitude bits ``e1 e0 m`` at bf16 bits 8..6 and
-#    its sign at bit 15, in both halves at once, and one ``lop3`` keeps exactly those bits
-#    ((a | b) & mask: each shifted copy is zero where the other one's bits are kept);
-#  * odd pair: the high nibbles are shifted down and masked to 4 bits each; one multiply by
-#    2^6 + 2^12 then makes both shifted copies at once (they do not overlap, so the sum is their
-#    union) and an ``and`` with the same mask keeps the bits;
+# ---------------------------------------------------------------- MXFP4 decode (repacked layout)
+# The weights' codes are kept in the layout of ``layout.py``: a loaded ``[groups, chunks, 32, 16]``
+# tile is the MMA operand tile ``[rows, bytes]`` after a reshape and a permute
+# (``repacked_to_operand``), and each 32-bit word holds 8 nibbles placed for a cheap decode.
+# ``decode_repacked_ptx`` decodes a word in inline PTX (GPU, scale bytes in [2, 252]) into its
+# four bf16 pairs times their rows' scales:
+#  * pairs 0..2 are ``(w << s) & 0x81C081C0`` for s = 0, 3, 6 (the sign at bit 15 of each half,
+#    ``e1 e0 m`` at bits 8..6), pair 3 takes three shifts and three logic ops;
 #  * the bf16 read that way is the E2M1 value times 2^-126 (exponent field e1 e0; e1 e0 = 0 is a
 #    subnormal, which bf16 arithmetic keeps); ``fma.rn.bf16x2`` by 2^126 gives the E2M1 value
 #    exactly, a second one by the scale ``2^(byte - 127)`` the weight, exactly for bytes in
-#    [2, 252] (every product stays a normal bf16).
-# With ``fold`` (scale bytes in [2, 128], the usual checkpoint) the 2^126 is folded into the scale,
-# ``2^(byte - 1)`` (exponent field byte + 126, still a normal bf16), so each pair takes one fma:
-# 10 instructions for 4 weights. The scales are made from their bytes once per 32-element block
-# outside the asm (``_ptx_scales``). ``tests/test_ptx_decode.py`` runs both strings on an emulator
-# of these instructions against the package's dequantizer on the CPU.
-def _decode_ptx_source(fold: bool = False) -> str:
-    """The asm described above: the spread code bytes, then the even and the odd pair (one fma
-    each by the scale pair ``$3``, two without ``fold``)."""
+#    [2, 252] (every product stays a normal bf16);
+#  * with ``fold`` (scale bytes in [2, 128], the usual checkpoint) the 2^126 is folded into the
+#    scale, ``2^(byte - 1)`` (exponent field byte + 126, still a normal bf16), so each pair takes
+#    one fma: 15 instructions for 8 weights.
+# The scales are made from their bytes once per 32-element block outside the asm
+# (``_ptx_scales``). ``decode_repacked_ops`` is the same arithmetic in Triton operations (the
+# interpreter, and checkpoints with other scale bytes). ``tests/test_ptx_decode.py`` runs the asm
+# on an emulator of these instructions against the package's dequantizer on the CPU.
+def _decode_repacked_ptx_source(fold: bool = False) -> str:
+    """The asm: a word (``$4``) to its four bf16 pairs times their rows' scales (``$5``: row r0,
+    ``$6``: r0 + 8): ``$0``/``$1`` the even weights of rows r0/r0 + 8, ``$2``/``$3`` the odd ones."""
     bias = [] if fold else ["fma.rn.bf16x2 t, t, bias, nz;"]
-    return "\n".join([
-        "",
-        "{",
-        ".reg .b32 r, t, u, msk, nz;" if fold else ".reg .b32 r, t, u, msk, bias, nz;",
-        "mov.b32 msk, 0x81C081C0;",
-        *([] if fold else ["mov.b32 bias, 0x7E807E80;"]),
-        "mov.b32 nz, 0x80008000;",
-        "prmt.b32 r, $2, 0, 0x4140;",
-        # even: the low nibbles
-        "shl.b32 t, r, 6;",
-        "shl.b32 u, r, 12;",
-        "lop3.b32 t, t, u, msk, 0xA8;",
+    lines = ["", "{", ".reg .b32 t, u, v, msk, nz;" if fold else ".reg .b32 t, u, v, msk, bias, nz;",
+             "mov.b32 msk, 0x81C081C0;", *([] if fold else ["mov.b32 bias, 0x7E807E80;"]), "mov.b32 nz, 0x80008000;"]
+    for out, shift, scale in (("$0", 0, "$5"), ("$1", 3, "$6"), ("$2", 6, "$5")):
+        lines += ["and.b32 t, $4, msk;" if shift == 0 else f"shl.b32 t, $4, {shift};",
+                  *([] if shift == 0 else ["and.b32 t, t, msk;"]), *bias, f"fma.rn.bf16x2 {out}, t, {scale}, nz;"]
+    lines += [
+        "shl.b32 t, $4, 1;",
+        "and.b32 t, t, 0x80008000;",  # signs
+        "shr.b32 u, $4, 5;",
+        "lop3.b32 t, t, u, 0x01000100, 0xF8;",  # t | (u & e1 bits)
+        "shr.b32 v, $4, 4;",
+        "lop3.b32 t, t, v, 0x00C000C0, 0xF8;",  # t | (v & e0, m bits)
         *bias,
-        "fma.rn.bf16x2 $0, t, $3, nz;",
-        # odd: the high nibbles, isolated; (t << 6) | (t << 12) as one multiply
-        "shr.b32 t, r, 4;",
-        "and.b32 t, t, 0x000F000F;",
-        "mul.lo.u32 t, t, 0x1040;",
-        "and.b32 t, t, msk;",
-        *bias,
-        "fma.rn.bf16x2 $1, t, $3, nz;",
+        "fma.rn.bf16x2 $3, t, $6, nz;",
         "}",
         "",
-    ])
+    ]
+    return "\n".join(lines)
 
 
-_DECODE_PTX = tl.constexpr(_decode_ptx_source())
-_DECODE_PTX_FOLD = tl.constexpr(_decode_ptx_source(fold=True))
+_DECODE_PTX = tl.constexpr(_decode_repacked_ptx_source())
+_DECODE_PTX_FOLD = tl.constexpr(_decode_repacked_ptx_source(fold=True))
 
 
 @triton.jit
@@ -136,14 +72,86 @@ def _ptx_scales(scale_bytes, FOLD: tl.constexpr):
 
 
 @triton.jit
-def decode_mxfp4_pair_ptx(codes, scale_bytes, BR: tl.constexpr, BKH: tl.constexpr, FOLD: tl.constexpr = False):
-    """``decode_mxfp4_pair`` (bf16, scale bytes in [2, 252], or [2, 128] with ``FOLD``) in inline
-    PTX: same ``(even, odd)``."""
-    sb = _ptx_scales(scale_bytes, FOLD)
-    sc = tl.reshape(tl.broadcast_to(sb[:, :, None], (BR, BKH // 16, 16)), (BR, BKH))
-    asm: tl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
-    even, odd = tl.inline_asm_elementwise(asm, constraints="=r,=r,r,r", args=[codes, sc],
-                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+def repacked_to_operand(t, BN: tl.constexpr, BKH: tl.constexpr):
+    """A loaded ``[BN / 16, BKH / 32, 32, 16]`` repacked tile (or its decoded twin) as the
+    ``[BN, BKH]`` operand tile: rows, then row bytes (a reshape and a permute: no data moves)."""
+    G: tl.constexpr = BN // 16
+    Q: tl.constexpr = BKH // 32
+    t = tl.reshape(t, (G, Q, 8, 4, 2, 2, 2, 2))  # g, q, r0, c, s, kh, rh, kk
+    t = tl.permute(t, (0, 6, 2, 1, 4, 5, 3, 7))  # g, rh, r0, q, s, kh, c, kk
+    return tl.reshape(t, (BN, BKH))
+
+
+@triton.jit
+def _f16_halves(bits):
+    """The two fp16 halves of int32 ``bits`` as fp32 (exact, fp16 subnormals included)."""
+    lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _pair_f16(w, S: tl.constexpr):
+    """Pair ``S // 3`` (S = 0, 3, 6) of words ``w`` as two fp16 halves: the sign at bit 15 and
+    ``e1 e0 m`` at bits 11..9 of each, the fp16 of the E2M1 value times 2^-14 (see
+    ``e2m1_nibble_pair_f32_2m14``)."""
+    x = w << S
+    return ((x << 3) & 0x0E000E00) | (x & -2147450880)  # (0x80008000)
+
+
+@triton.jit
+def decode_repacked_ops(t, BN: tl.constexpr, BKH: tl.constexpr):
+    """The repacked tile ``t`` (``[BN / 16, BKH / 32, 32, 16]`` bytes) decoded with Triton
+    operations: ``(even, odd)`` fp32 ``[BN, BKH]`` operand tiles of the E2M1 values times 2^-14
+    (through fp16 bits, so no fp32 subnormal is ever formed), unscaled."""
+    G: tl.constexpr = BN // 16
+    Q: tl.constexpr = BKH // 32
+    v = tl.reshape(t.to(tl.int32), (G, Q, 32, 4, 4))
+    b0, b1 = tl.split(tl.reshape(v, (G, Q, 32, 4, 2, 2)))
+    b00, b01 = tl.split(b0)
+    b10, b11 = tl.split(b1)
+    # (the first split takes bit 0 of the byte index, the second bit 1: b01 is byte 2, b10 byte 1)
+    w = b00 | (b10 << 8) | (b01 << 16) | (b11 << 24)  # [G, Q, 32, 4] words
+    p3 = ((w << 1) & -2147450880) | ((w >> 2) & 0x08000800) | ((w >> 1) & 0x06000600)
+    e00, e01 = _f16_halves(_pair_f16(w, 0))  # even, row r0, byte kk 0 / 1
+    e10, e11 = _f16_halves(_pair_f16(w, 3))  # even, row r0 + 8
+    o00, o01 = _f16_halves(_pair_f16(w, 6))
+    o10, o11 = _f16_halves(p3)
+    # (tl.join adds its dim last: the inner joins make rh, the outer kk) -> [G, Q, 32, 4, rh, kk]
+    even = tl.join(tl.join(e00, e10), tl.join(e01, e11))
+    odd = tl.join(tl.join(o00, o10), tl.join(o01, o11))
+    return repacked_to_operand(even, BN, BKH), repacked_to_operand(odd, BN, BKH)
+
+
+@triton.jit
+def load_decode_repacked(w_g, gvalid, q0, NQ: tl.constexpr, scale_bytes, BN: tl.constexpr, BKH: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
+    """Load and decode one K step's ``[BN, BKH]`` code tile of the repacked layout: row groups from
+    ``w_g`` (the tile's first group; ``gvalid`` masks groups past the matrix), row-byte chunks
+    ``q0 ..`` of ``NQ``, the ``[BN, BKH / 16]`` E8M0 ``scale_bytes``. Returns the MMA operands
+    ``(even, odd)`` in ``DOT_DTYPE``: ``even[:, i]`` is element ``2i`` of the step (the low nibble of
+    row byte ``i``), ``odd[:, i]`` element ``2i + 1``. ``PTX`` decodes in inline PTX (``FOLD``: the
+    one-fma form); else Triton operations, scaled in fp32 (byte 0 gives 0 for 2^-127, as before)."""
+    G: tl.constexpr = BN // 16
+    Q: tl.constexpr = BKH // 32
+    g = tl.arange(0, G)
+    q = tl.arange(0, Q)
+    lb = tl.arange(0, 512)
+    off = (g[:, None, None] * NQ + q0 + q[None, :, None]) * 512 + lb[None, None, :]
+    m = gvalid[:, None, None] & ((q0 + q) < NQ)[None, :, None]
+    t = tl.reshape(tl.load(w_g + off, mask=m, other=0), (G, Q, 32, 16))
+    if PTX:
+        sb = _ptx_scales(scale_bytes, FOLD)
+        sc = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+        asm: tl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
+        even, odd = tl.inline_asm_elementwise(asm, constraints="=r,=r,=r,=r,r,r,r",
+                                              args=[repacked_to_operand(t, BN, BKH), sc],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        sc = tl.reshape(tl.broadcast_to(e8m0_f32(scale_bytes)[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+        ev, od = decode_repacked_ops(t, BN, BKH)
+        even = ((ev * 16384.0) * sc).to(DOT_DTYPE)  # (2^14 undoes the decode's 2^-14: exact)
+        odd = ((od * 16384.0) * sc).to(DOT_DTYPE)
     return even, odd
 
 
@@ -227,34 +235,3 @@ def e2m1_nibble_pair_f32_2m14(words, t: tl.constexpr):
     lo = both.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
-
-
-@triton.jit
-def quant_mxfp8_bytes(v, BR: tl.constexpr, BC: tl.constexpr):
-    """MXFP8 quantization of an fp32 ``[BR, BC]`` tile per 32 along its columns, as bytes: the E4M3
-    payloads ``[BR, BC]`` and the E8M0 scale bytes ``[BR, BC // 32]`` (uint8), the same numbers
-    ``quant_dequant_mxfp8_tile`` multiplies back together."""
-    blocks = tl.reshape(v, (BR, BC // 32, 32))
-    pow2, inv = mxfp8_block_scale(tl.max(tl.abs(blocks), axis=2))
-    payload = mxfp8_payload(blocks, inv[:, :, None])
-    bits = payload.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # exact: the payload is an E4M3 value
-    byte = ((pow2.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-    return tl.reshape(bits, (BR, BC)), byte
-
-
-@triton.jit
-def _e2m1_e4m3_bits(nib):
-    """E4M3 bits (int32) of the E2M1 code ``nib``: exponent field ``e1 e0`` + 6, mantissa ``m``
-    (0.5 and 0 by hand); exact for all 16 codes."""
-    em = nib & 7
-    mag = tl.where(em >= 2, (em << 2) + 48, tl.where(em == 1, 48, 0))
-    return mag | ((nib & 8) << 4)
-
-
-@triton.jit
-def decode_mxfp4_e4m3(codes, BR: tl.constexpr, BKH: tl.constexpr):
-    """``[BR, BKH]`` MXFP4 code bytes as ``[BR, 2 * BKH]`` E4M3 in element order (low nibble first):
-    the E2M1 values exactly, without their block scales (the fp8 GEMMs apply those to K = 32 sums)."""
-    c = codes.to(tl.int32)
-    both = tl.reshape(tl.join(_e2m1_e4m3_bits(c & 15), _e2m1_e4m3_bits(c >> 4)), (BR, 2 * BKH))
-    return both.to(tl.uint8).to(tl.float8e4nv, bitcast=True)

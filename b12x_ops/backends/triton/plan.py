@@ -110,18 +110,16 @@ def _atomic(tokens: int, geometry) -> bool:
 # M = 4, the blocked path 1.03-1.05x faster at M = 8 on the three benchmark geometries).
 GEMV_MAX_SLOTS = 32
 GEMV_MAX_TOKENS = 4
-# GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 32; bk: K step, a multiple of
-# 32; warps; stages; split: programs sharing a slot's K steps), gemv2 (bn: K outputs; bk: N step;
-# split: programs sharing a token's slots). At small M there are few programs (slots x tiles), so
-# each must keep many bytes in flight (double-buffered loads of 16-32 KB a step): with fewer than
-# ~1.5 programs an SM a longer step or a split wins; with many, smaller steps and wider tiles
-# (results/sweep_gemv_joined.md, results/sweep_gemv_split.md, H200). (No tl.dot: stages stay 1.)
-_GEMV1 = ((32, 256, 4, 1, 1), (32, 512, 8, 1, 1), (32, 1024, 8, 1, 1), (64, 128, 4, 1, 1), (32, 128, 4, 1, 1),
-          (32, 256, 4, 1, 2), (32, 512, 8, 1, 2), (32, 128, 4, 1, 2))
-_GEMV2 = ((8, 1024, 4, 1, 1), (16, 1024, 4, 1, 1), (16, 512, 4, 1, 1), (32, 256, 4, 1, 1), (8, 256, 4, 1, 1),
-          (8, 1024, 4, 1, 2), (16, 1024, 4, 1, 2), (32, 256, 4, 1, 2))
+# GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 16; bk: K step, a multiple of
+# 64; warps; stages; split: programs sharing a slot's K steps), gemv2 (bn: K outputs; bk: N step;
+# split: programs sharing a token's slots). Both decode like the blocked GEMMs and multiply on the
+# tensor cores (64 weight rows a warpgroup). At small M there are few programs (slots x tiles), so
+# where a kernel has fewer than ``_FEW_PROGRAMS`` a split multiplies them (``gemv_config``).
+_GEMV1 = ((64, 256, 4, 3, 1), (64, 128, 4, 4, 1), (128, 128, 4, 3, 1), (64, 512, 4, 2, 1),
+          (64, 256, 4, 3, 2), (64, 128, 4, 4, 2), (64, 256, 4, 3, 4), (64, 128, 4, 4, 4))
+_GEMV2 = ((64, 128, 4, 3, 1), (64, 256, 4, 3, 1), (128, 128, 4, 3, 1), (64, 512, 4, 2, 1),
+          (64, 128, 4, 3, 2), (64, 256, 4, 3, 2), (64, 128, 4, 3, 4), (64, 256, 4, 3, 4))
 _FEW_PROGRAMS = 200
-_MANY_PROGRAMS = 1000
 
 
 def use_gemv(tokens: int, geometry, mode=None) -> bool:
@@ -132,20 +130,20 @@ def use_gemv(tokens: int, geometry, mode=None) -> bool:
 
 
 def gemv_config(tokens: int, geometry) -> Config:
-    """The default GEMV tiles, by the programs each kernel would have at its middle tile."""
+    """The default GEMV tiles: 64 rows and 256-element steps a program, and the smallest split
+    (1, 2 or 4) that gives each kernel ``_FEW_PROGRAMS`` programs (within its K steps, or slots)."""
     g = geometry
-    p1 = tokens * g.top_k * -(-g.intermediate_size // 32)
-    p2 = tokens * -(-g.hidden_size // 16)
-    if p1 < _FEW_PROGRAMS:  # K split in two: the longer step for the longer K
-        g1 = _GEMV1[6] if g.hidden_size >= 4096 else _GEMV1[5]
-    else:
-        g1 = _GEMV1[3] if p1 >= _MANY_PROGRAMS else _GEMV1[0]
-    if p2 < _FEW_PROGRAMS:  # a token's slots split in two
-        g2 = _GEMV2[5]
-    elif p2 < _MANY_PROGRAMS:
-        g2 = _GEMV2[1]
-    else:
-        g2 = _GEMV2[2] if g.intermediate_size >= 2048 else _GEMV2[3]
+
+    def split(programs: int, most: int) -> int:
+        s = 1
+        while s < 4 and s < most and programs * s < _FEW_PROGRAMS:
+            s *= 2
+        return s
+
+    s1 = split(tokens * g.top_k * -(-g.intermediate_size // 64), -(-g.hidden_size // 256))
+    s2 = split(tokens * -(-g.hidden_size // 64), g.top_k)
+    g1 = {1: _GEMV1[0], 2: _GEMV1[4], 4: _GEMV1[6]}[s1]
+    g2 = {1: _GEMV2[1], 2: _GEMV2[5], 4: _GEMV2[7]}[s2]
     return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
@@ -250,8 +248,6 @@ class Runner(NamedTuple):
     prologue_rows: int  # rows of x a prologue program quantizes
     finalize_rows: int  # rows a finalize program writes
     num_experts: int
-    x_buf: str  # the arena buffers of the quantized activations of GEMM1 and GEMM2 (fp8: bytes)
-    act_buf: str
 
     def blocks(self, slots: int) -> int:
         """Expert blocks a call of ``slots`` routed slots launches (``kernels.num_blocks``)."""
@@ -297,14 +293,11 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False, fp8: bool = False,
-                 fold: bool = False):
+    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False, fold: bool = False):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
         # the blocked GEMMs decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
         self.ptx = bool(fast_scales and not INTERPRET and ptx is not False)
-        # the blocked path's GEMMs on fp8 tensor cores (gemm1_fp8/gemm2_fp8), opt-in
-        self.fp8 = bool(fp8)
         # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
         self.fast_scales = fast_scales
         # scale bytes in [2, 128]: the PTX decode folds its 2^126 into the scale (one fma a pair less)
@@ -339,8 +332,7 @@ class GeometryPlans:
         g = self.geometry
         return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1) * cfg.split1,
                       -(-g.hidden_size // cfg.bn2) * cfg.split2,
-                      -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts,
-                      "xq8" if self.fp8 else "xq", "act8" if self.fp8 and not cfg.gemv else "act")
+                      -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts)
 
     def stages(self, cfg: Config) -> tuple:
         """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` (the GEMV path: (None, gemv1,
@@ -373,41 +365,31 @@ class GeometryPlans:
         if kind == "prologue":
             p = PROLOGUE
             ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, CH=p["CH"],
-                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic, FP8=self.fp8),
+                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic),
                         p["warps"], 1)
         elif kind == "gemm1" and cfg.gemv:
             ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                               UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                              BN=cfg.bn1, BK=cfg.bk1, SPLIT=cfg.split1),
+                                              BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
+                                              FOLD=self.fold, SPLIT=cfg.split1),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2" and cfg.gemv:
             ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                              HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2, SPLIT=cfg.split2),
-                        cfg.warps2, cfg.stages2)
-        elif kind == "gemm1" and self.fp8:
-            ln = Launch(K_.gemm1_fp8_kernel,
-                        dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
-                             HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
-                             BK=max(32, cfg.bk1 // 2)),
-                        cfg.warps1, cfg.stages1)
-        elif kind == "gemm2" and self.fp8:
-            ln = Launch(K_.gemm2_fp8_kernel,
-                        dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                             BN=cfg.bn2, BK=max(32, cfg.bk2 // 2)),
+                                              HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
+                                              DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold,
+                                              SPLIT=cfg.split2),
                         cfg.warps2, cfg.stages2)
         elif kind == "gemm1":
             ln = Launch(K_.gemm1_kernel,
                         dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                              HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
-                             BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales,
-                             PTX=self.ptx, FOLD=self.fold),
+                             BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
                         cfg.warps1, cfg.stages1)
         elif kind == "gemm2":
             ln = Launch(K_.gemm2_kernel,
                         dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                             BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, FAST=self.fast_scales,
-                             PTX=self.ptx, FOLD=self.fold),
+                             BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
                         cfg.warps2, cfg.stages2)
         else:
             f = FINALIZE
@@ -421,7 +403,6 @@ class GeometryPlans:
         for name, dt in (("xq", self.act_dtype), ("lid", torch.int32), ("wts", torch.float32), ("sorted", torch.int32),
                          ("blk_expert", torch.int32), ("blk_rows", torch.int32), ("cursor", torch.int32),
                          ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32),
-                         ("xq8", torch.uint8), ("xs", torch.uint8), ("act8", torch.uint8), ("as", torch.uint8),
                          ("part1", torch.float32), ("part2", torch.float32)):
             a.need(name, 1, dt)
         if cfg.gemv:  # one activation row a slot, and the split-K sums and counts
@@ -436,21 +417,14 @@ class GeometryPlans:
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k
         nb = K_.num_blocks(S, g.num_experts, cfg.bm)
-        if self.fp8:  # MXFP8 as bytes: payloads and E8M0 scales, activations of both GEMMs
-            a.need("xq8", tokens * g.hidden_size, torch.uint8)
-            a.need("xs", tokens * g.hidden_size // 32, torch.uint8)
-            a.need("act8", nb * cfg.bm * g.intermediate_size, torch.uint8)
-            a.need("as", nb * cfg.bm * g.intermediate_size // 32, torch.uint8)
-        else:
-            a.need("xq", tokens * g.hidden_size, self.act_dtype)
+        a.need("xq", tokens * g.hidden_size, self.act_dtype)
         a.need("lid", S, torch.int32)
         a.need("wts", S, torch.float32)
         a.need("sorted", nb * cfg.bm, torch.int32)
         a.need("blk_expert", nb, torch.int32)
         a.need("blk_rows", nb, torch.int32)
         a.need("cursor", self.e_pad, torch.int32)
-        if not self.fp8:
-            a.need("act", nb * cfg.bm * g.intermediate_size, self.act_dtype)
+        a.need("act", nb * cfg.bm * g.intermediate_size, self.act_dtype)
         if cfg.atomic:
             a.need("acc", tokens * g.hidden_size, torch.float32)
         else:
@@ -468,11 +442,11 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str, gemv=None, ptx=False, fp8=False) -> str:
+def cache_path(geometry, directory: str, gemv=None, ptx=False) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 5, gemv, ptx, fp8])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 6, gemv, ptx])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
