@@ -29,13 +29,15 @@ from b12x_ops.backends.triton import plan as P  # noqa: E402
 from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log,  # noqa: E402
                        random_layer)
 
-# (bn, bk, warps, stages, split): gemv1 (bn: N outputs of up and of gate, a multiple of 32), gemv2
-# (bn: K outputs). The kernels double-buffer their loads in registers (stages stays 1); split: the
-# programs that share a slot's K steps (gemv1) or a token's slots (gemv2).
-G1 = [(32, 256, 4, 1, 1), (32, 256, 4, 1, 2), (32, 256, 4, 1, 3), (32, 512, 8, 1, 1), (32, 512, 8, 1, 2),
-      (32, 1024, 8, 1, 1), (32, 128, 4, 1, 2), (64, 128, 4, 1, 1), (64, 128, 4, 1, 2)]
-G2 = [(8, 1024, 4, 1, 1), (8, 1024, 4, 1, 2), (16, 1024, 4, 1, 1), (16, 1024, 4, 1, 2), (8, 512, 4, 1, 2),
-      (16, 512, 4, 1, 1), (32, 256, 4, 1, 1), (32, 256, 4, 1, 2)]
+# (bn, bk, warps, stages, split): gemv1 (bn: N outputs of up and of gate, a multiple of 16; bk a
+# multiple of 64), gemv2 (bn: K outputs). The kernels multiply on the tensor cores (64 rows a
+# warpgroup) and Triton pipelines their code loads (stages); split: the programs that share a
+# slot's K steps (gemv1) or a token's slots (gemv2).
+G1 = [(64, 256, 4, 3, 1), (64, 256, 4, 3, 2), (64, 256, 4, 3, 4), (64, 128, 4, 4, 1), (64, 128, 4, 4, 2),
+      (64, 128, 4, 4, 4), (64, 512, 4, 2, 1), (64, 512, 4, 2, 2), (128, 128, 4, 3, 1), (128, 128, 4, 3, 2),
+      (64, 256, 4, 2, 2), (32, 256, 4, 3, 2)]
+G2 = [(64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (64, 128, 4, 3, 4), (64, 256, 4, 3, 1), (64, 256, 4, 3, 2),
+      (64, 256, 4, 3, 4), (64, 512, 4, 2, 2), (128, 128, 4, 3, 2), (32, 256, 4, 3, 4), (64, 128, 4, 2, 4)]
 
 
 def rel_l2(a, b):
