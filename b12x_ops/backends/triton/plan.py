@@ -82,12 +82,22 @@ class Config:
 # bigger blocks amortize it over more rows. Chosen on the H200 by benchmarks/sweep_blocked.py
 # (whole op, 3 layers, gpt-oss/DSv4/Qwen3 at M = 64, 512, 8192; results/sweep_blocked.md): a
 # block of 1.5-2x the rows per expert, 64 weight rows a program for GEMM1 and 128 for GEMM2.
+# With the repacked codes, GEMM2's 128-row tile of 64-element steps (one 32-byte chunk a step)
+# gave wrong sums in about 1 call in 50 on the H200 when Triton pipelined it over 3 or 4 stages
+# (Qwen3 and DSv4 shapes; never at 2 stages or 128-element steps): such steps now get at most 2
+# stages (``_stages``), and the defaults take 128-element steps, as fast there
+# (``results/sweep_blocked_repacked.md``).
 _REGIMES = (
-    (8, [(16, (64, 128, 4, 3), (128, 64, 4, 3)), (32, (64, 64, 4, 4), (64, 128, 4, 3))]),
-    (24, [(32, (64, 128, 4, 3), (128, 64, 4, 3)), (16, (64, 64, 4, 4), (64, 128, 4, 3))]),
-    (64, [(64, (64, 128, 4, 3), (128, 64, 4, 3)), (32, (128, 64, 8, 3), (64, 128, 4, 3))]),
-    (1 << 30, [(128, (64, 128, 4, 3), (128, 64, 4, 3)), (64, (128, 64, 8, 3), (64, 128, 4, 3))]),
+    (8, [(16, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (64, 64, 4, 2), (128, 64, 4, 2))]),
+    (24, [(32, (64, 128, 4, 3), (64, 128, 4, 3)), (16, (64, 64, 4, 2), (128, 64, 4, 2))]),
+    (64, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (128, 128, 8, 3), (128, 64, 4, 2))]),
+    (1 << 30, [(128, (64, 128, 4, 3), (64, 128, 4, 3)), (64, (128, 128, 8, 3), (128, 64, 4, 2))]),
 )
+
+
+def _stages(bk: int, stages: int) -> int:
+    """Pipeline stages a launch gets: at most 2 for 64-element K steps (see ``_REGIMES``)."""
+    return min(stages, 2) if bk <= 64 else stages
 
 
 def _regime(tokens: int, geometry):
@@ -373,24 +383,24 @@ class GeometryPlans:
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
                                               BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
                                               FOLD=self.fold, SPLIT=cfg.split1),
-                        cfg.warps1, cfg.stages1)
+                        cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gemv:
             ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                               HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
                                               DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold,
                                               SPLIT=cfg.split2),
-                        cfg.warps2, cfg.stages2)
+                        cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         elif kind == "gemm1":
             ln = Launch(K_.gemm1_kernel,
                         dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                              HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
                              BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
-                        cfg.warps1, cfg.stages1)
+                        cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
             ln = Launch(K_.gemm2_kernel,
                         dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                              BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
-                        cfg.warps2, cfg.stages2)
+                        cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         else:
             f = FINALIZE
             ln = Launch(K_.finalize_kernel, dict(common, ATOMIC=cfg.atomic, BR=f["BR"], BK=f["BK"]), f["warps"], 1)
