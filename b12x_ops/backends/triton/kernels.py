@@ -337,6 +337,21 @@ def _w13_groups(w_ptr, e, pid_n, N: tl.constexpr, NQ: tl.constexpr, BN: tl.const
     return up_g, gate_g, gvalid
 
 
+@triton.jit
+def _up_gate_step(up_g, gate_g, gvalid, q0, NQ: tl.constexpr, su, sg, xe, xo, acc_u, acc_g, BN: tl.constexpr,
+                  BKH: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
+    """One K step of GEMM1's two products (gemm1 and gemv1): the step's up and gate code tiles
+    (chunks ``q0 ..``, scale bytes ``su``/``sg``) decoded and multiplied by its even and odd
+    activations ``xe``/``xo``, added into ``acc_u``/``acc_g``."""
+    ue, uo = load_decode_repacked(up_g, gvalid, q0, NQ, su, BN, BKH, DOT_DTYPE, PTX, FOLD)
+    acc_u = tl.dot(ue, xe, acc_u)
+    acc_u = tl.dot(uo, xo, acc_u)
+    ge, go = load_decode_repacked(gate_g, gvalid, q0, NQ, sg, BN, BKH, DOT_DTYPE, PTX, FOLD)
+    acc_g = tl.dot(ge, xe, acc_g)
+    acc_g = tl.dot(go, xo, acc_g)
+    return acc_u, acc_g
+
+
 @_jit(dns=("nblocks",))
 def gemm1_kernel(
     xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
@@ -380,12 +395,8 @@ def gemm1_kernel(
         sm = nvalid[:, None] & ((k0 // 32 + BK // 32 + offs_s) < KS)[None, :]
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
-        ue, uo = load_decode_repacked(up_g, gvalid, k0 // 64, NQ, su, BN, BKH, DOT_DTYPE, PTX, FOLD)
-        acc_u = tl.dot(ue, xe, acc_u)
-        acc_u = tl.dot(uo, xo, acc_u)
-        ge, go = load_decode_repacked(gate_g, gvalid, k0 // 64, NQ, sg, BN, BKH, DOT_DTYPE, PTX, FOLD)
-        acc_g = tl.dot(ge, xe, acc_g)
-        acc_g = tl.dot(go, xo, acc_g)
+        acc_u, acc_g = _up_gate_step(up_g, gate_g, gvalid, k0 // 64, NQ, su, sg, xe, xo, acc_u, acc_g, BN, BKH,
+                                     DOT_DTYPE, PTX, FOLD)
         su, sg = su_next, sg_next
     _store_act(acc_u, acc_g, gs_ptr, e, limit, a_ptr, rows, rvalid, offs_n, nvalid, N, HAS_GS, HAS_LIMIT)
 
@@ -537,12 +548,8 @@ def gemv1_kernel(
         sm = nvalid[:, None] & ((k0 // 32 + NB + j) < KS)[None, :]
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
-        ue, uo = load_decode_repacked(up_g, gvalid, k0 // 64, NQ, su, BN, BKH, DOT_DTYPE, PTX, FOLD)
-        acc_u = tl.dot(ue, xe, acc_u)
-        acc_u = tl.dot(uo, xo, acc_u)
-        ge, go = load_decode_repacked(gate_g, gvalid, k0 // 64, NQ, sg, BN, BKH, DOT_DTYPE, PTX, FOLD)
-        acc_g = tl.dot(ge, xe, acc_g)
-        acc_g = tl.dot(go, xo, acc_g)
+        acc_u, acc_g = _up_gate_step(up_g, gate_g, gvalid, k0 // 64, NQ, su, sg, xe, xo, acc_u, acc_g, BN, BKH,
+                                     DOT_DTYPE, PTX, FOLD)
         su, sg = su_next, sg_next
     up = tl.sum(acc_u, axis=1)  # (columns 1.. are zeros)
     gate = tl.sum(acc_g, axis=1)

@@ -93,8 +93,9 @@ def _f16_halves(bits):
 @triton.jit
 def _pair_f16(w, S: tl.constexpr):
     """Pair ``S // 3`` (S = 0, 3, 6) of words ``w`` as two fp16 halves: the sign at bit 15 and
-    ``e1 e0 m`` at bits 11..9 of each, the fp16 of the E2M1 value times 2^-14 (see
-    ``e2m1_nibble_pair_f32_2m14``)."""
+    ``e1 e0 m`` at bits 11..9 of each. That is the fp16 of exponent field ``E = e1 e0`` and top
+    mantissa bit ``m``: ``2^(E - 15) (1 + m / 2)`` for ``E >= 1`` and the subnormal ``m 2^-15`` for
+    ``E = 0``, i.e. the E2M1 value times 2^-14, which ``_f16_halves`` makes an exact, normal fp32."""
     x = w << S
     return ((x << 3) & 0x0E000E00) | (x & -2147450880)  # (0x80008000)
 
@@ -211,27 +212,3 @@ def quant_dequant_mxfp8_tile(v, BR: tl.constexpr, BC: tl.constexpr):
 def e8m0_f32(byte):
     """``2^(byte - 127)`` in fp32 from its bits (byte 0 gives 0 instead of 2^-127, as the bf16 path)."""
     return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e2m1_nibble_pair_f32_2m14(words, t: tl.constexpr):
-    """Nibbles ``t`` and ``t + 4`` (``t`` in 0..3) of int32 ``words`` as E2M1 values times ``2^-14``,
-    in fp32, exactly, for all 16 codes.
-
-    A code ``s e1 e0 m`` placed at bits 15 and 11..9 of an fp16 is the fp16 of exponent field
-    ``E = em >> 1`` and top mantissa bit ``m``: ``2^(E-15) * (1 + m/2)`` for ``E >= 1`` and the
-    fp16 subnormal ``m * 2^-15`` for ``E = 0``, i.e. the E2M1 value times ``2^-14``. fp16
-    subnormals convert to fp32 exactly (no flush to zero anywhere) and the fp32 results are normal;
-    callers fold ``2^14`` into their per-32-block scale multiply. Nibbles ``t`` and ``t + 4`` are 16
-    bits apart, so one shift and mask place both magnitudes and one more both signs: two fp16 in one
-    register, four integer ops for two values (then one fp16-to-fp32 conversion each).
-    """
-    if 4 * t >= 9:
-        mag = (words >> (4 * t - 9)) & 0x0E000E00
-    else:
-        mag = (words << (9 - 4 * t)) & 0x0E000E00
-    sgn = (words << (12 - 4 * t)) & -2147450880  # 0x80008000 (t <= 3: a left shift)
-    both = mag | sgn
-    lo = both.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi

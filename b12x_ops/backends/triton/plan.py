@@ -306,10 +306,8 @@ class GeometryPlans:
     def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False, fold: bool = False):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
-        # the blocked GEMMs decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
+        # the GEMM and GEMV kernels decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
         self.ptx = bool(fast_scales and not INTERPRET and ptx is not False)
-        # scale bytes in [2, 252] let the kernels fold scales into the bf16 exponent (cheaper)
-        self.fast_scales = fast_scales
         # scale bytes in [2, 128]: the PTX decode folds its 2^126 into the scale (one fma a pair less)
         self.fold = bool(fold and self.ptx)
         self.configs: dict[int, Config] = {}
@@ -363,9 +361,9 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2",) + cfg.tiles2()
         elif kind == "gemm1":
-            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)
+            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
         else:
             key = (kind, cfg.atomic)
         hit = self.launches.get(key)
