@@ -463,7 +463,8 @@ def gemv_compare(args, log, bw=4.27e12):
             gp = handles[True][0]._state.plans
             for M in args.gemv_sweep:
                 cap, base = gp.plan_for(M)
-                for g1, g2 in [(g1, g2) for g1 in P._GEMV1 for g2 in P._GEMV2]:
+                t1, t2 = P.gemv_candidates(gp.geometry)
+                for g1, g2 in [(g1, g2) for g1 in t1 for g2 in t2]:
                     cfg = P.Config.of(1, g1, g2, base.atomic, gemv=True)
                     gp.add(cap, cfg)
                     try:

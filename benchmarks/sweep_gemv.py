@@ -7,7 +7,8 @@ replay of that kernel over ``--layers`` layers' handles, so weights come from HB
 op with the best pair and with the current default is timed and checked against the reference.
 Times are us per layer; the HBM limit is the distinct experts' weight and scale bytes over
 ``--bw``. Writes a markdown table to ``--out`` as it goes; stops cleanly when ``--budget`` seconds
-have passed. It checks the tiles ``plan._GEMV1``/``_GEMV2`` and ``plan.gemv_config`` choose from.
+have passed. It times the tiles the tuner chooses from (``plan.gemv_candidates``), a few beside
+them (``EXTRA1``/``EXTRA2``), and ``plan.gemv_config``'s default.
 """
 
 from __future__ import annotations
@@ -29,15 +30,19 @@ from b12x_ops.backends.triton import plan as P  # noqa: E402
 from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log,  # noqa: E402
                        random_layer)
 
-# (bn, bk, warps, stages, split): gemv1 (bn: N outputs of up and of gate, a multiple of 16; bk a
-# multiple of 64), gemv2 (bn: K outputs). The kernels multiply on the tensor cores (64 rows a
-# warpgroup) and Triton pipelines their code loads (stages); split: the programs that share a
-# slot's K steps (gemv1) or a token's slots (gemv2).
-G1 = [(64, 256, 4, 3, 1), (64, 256, 4, 3, 2), (64, 256, 4, 3, 4), (64, 128, 4, 4, 1), (64, 128, 4, 4, 2),
-      (64, 128, 4, 4, 4), (64, 512, 4, 2, 1), (64, 512, 4, 2, 2), (128, 128, 4, 3, 1), (128, 128, 4, 3, 2),
-      (64, 256, 4, 2, 2), (32, 256, 4, 3, 2)]
-G2 = [(64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (64, 128, 4, 3, 4), (64, 256, 4, 3, 1), (64, 256, 4, 3, 2),
-      (64, 256, 4, 3, 4), (64, 512, 4, 2, 2), (128, 128, 4, 3, 2), (32, 256, 4, 3, 4), (64, 128, 4, 2, 4)]
+# Beside the tuner's candidates, (bn, bk, warps, stages, steps a program): 128-row tiles on 8 warps
+# and 32-row tiles (gemv1's split is then its K steps over that many, gemv2's top_k times its N steps over it).
+EXTRA = [(128, 256, 8, 1, 1), (128, 128, 8, 1, 1), (32, 256, 4, 1, 1), (64, 256, 8, 1, 1), (64, 128, 4, 3, 3)]
+
+
+def tiles(geometry):
+    t1, t2 = P.gemv_candidates(geometry)
+    for bn, bk, warps, stages, per in EXTRA:
+        s1 = -(-geometry.hidden_size // bk)
+        s2 = -(-geometry.intermediate_size // bk)
+        t1.append((bn, bk, warps, stages, -(-s1 // per)))
+        t2.append((bn, bk, warps, stages, geometry.top_k * -(-s2 // per)))
+    return t1, t2
 
 
 def rel_l2(a, b):
@@ -97,6 +102,7 @@ def main(argv=None):
                 return graph_time(calls, reps=10) * 1e6
 
             best = {}
+            G1, G2 = tiles(g)
             for kind, cands in (("gemv1", G1), ("gemv2", G2)):
                 stage = "gemm1" if kind == "gemv1" else "gemm2"
                 if kind == "gemv2":  # its input: the best gemv1's activations

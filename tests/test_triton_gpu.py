@@ -224,9 +224,10 @@ def _assert_graph_replays_new_inputs(run, layer, ref, x, ids, w, out, seeds):
 
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "odd-ep"])
 def test_gpu_gemv_split_matches_reference_and_is_deterministic(name):
-    """The GEMV kernels with their K steps (gemv1) and slots (gemv2) split between 2 and 3
-    programs: against the reference, bit-identical over 20 runs, the counts back at zero after
-    each call, and under CUDA-graph replay."""
+    """The GEMV kernels with their K steps (gemv1) split between 2, 3 and 5 programs, and their
+    slots (gemv2) between 2 and 3, or each slot's N steps between 2 (``2 * top_k``): against the
+    reference, bit-identical over 20 runs, the counts back at zero after each call, and under
+    CUDA-graph replay."""
     import dataclasses
 
     from b12x_ops.backends.triton import _launch_all
@@ -237,15 +238,15 @@ def test_gpu_gemv_split_matches_reference_and_is_deterministic(name):
     h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, deterministic=True)
     st = h._state
     g = st.plans.geometry
-    for split in (2, 3):
+    for split1, split2 in ((2, 2), (3, 3), (5, 2 * g.top_k)):
         for i, M in enumerate((1, 3, 4)):
-            cfg = dataclasses.replace(P.default_config(M, g, gemv=True), split1=split, split2=split)
+            cfg = dataclasses.replace(P.default_config(M, g, gemv=True), split1=split1, split2=split2)
             st.plans.reserve(M, cfg)
             x, ids, w = make_batch(layer, M, seed=40 + i, device="cuda", padding_rows=min(1, M // 3))
             want = b12x_ops.moe_w4a8(x, ids, w, ref)
             out = torch.full_like(x, float("nan"))
             _launch_all(st, cfg, x, ids, w, out)
-            assert rel_l2(out, want) <= 1e-2, (name, split, M, rel_l2(out, want))
+            assert rel_l2(out, want) <= 1e-2, (name, split1, split2, M, rel_l2(out, want))
             first = out.clone()
             for _ in range(20):
                 _launch_all(st, cfg, x, ids, w, out)

@@ -189,7 +189,7 @@ def test_interp_gemv_is_chosen_for_small_counts():
     dict(layout="w13", limit=None, global_scales=False),
     dict(layout="w31", limit=3.0, global_scales=True, offset=3),
 ])
-@pytest.mark.parametrize("bk,split", [(64, 1), (128, 1), (64, 2), (64, 3), (128, 3)])
+@pytest.mark.parametrize("bk,split", [(64, 1), (128, 1), (64, 2), (64, 3), (128, 3), (64, 6)])
 def test_interp_gemv_stages_match_twins(variant, bk, split):
     # K=96: a K step of 64 leaves a masked tail; N=96: a BN of 64 leaves a masked N tile
     layer = make_layer(E=5, K=96, N=96, top_k=3, seed=4, **variant)
@@ -199,7 +199,8 @@ def test_interp_gemv_stages_match_twins(variant, bk, split):
     gp = st.plans
     # split: K steps shared by programs in gemv1 (K = 96 at bk = 64: a step and a half, one a
     # program at split 2, and none for the third at split 3; at bk = 128 one step, for the first
-    # program), slots in gemv2 (top-3: 2 + 1 slots, or 1 each)
+    # program), slots in gemv2 (top-3: 2 + 1 slots, or 1 each; at split 6 one slot and one of its
+    # two N steps each)
     cfg = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True, split1=split, split2=split)
     gp.reserve(8, cfg)
     assert gp.stages(cfg)[0] is None and gp.stages(cfg)[3] is None  # two launches, no routing pass

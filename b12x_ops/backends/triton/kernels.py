@@ -545,7 +545,7 @@ def gemv1_kernel(
         xe, xo = tl.split(tl.reshape(xv, (NB, 16, 2)))
         xe = _column0(tl.reshape(xe, (BKH,)), DOT_DTYPE)
         xo = _column0(tl.reshape(xo, (BKH,)), DOT_DTYPE)
-        sm = nvalid[:, None] & ((k0 // 32 + NB + j) < KS)[None, :]
+        sm = nvalid[:, None] & ((k0 // 32 + NB + j) < k_hi // 32)[None, :]  # (this part's: k_hi <= K)
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
         acc_u, acc_g = _up_gate_step(up_g, gate_g, gvalid, k0 // 64, NQ, su, sg, xe, xo, acc_u, acc_g, BN, BKH,
@@ -564,10 +564,10 @@ def gemv1_kernel(
 
 
 @triton.jit
-def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
-    """``dq8(a) @ W2[e]^T`` for one slot's activation row (split layout) and ``BN`` output rows
-    (their repacked row groups from ``w_g``), fp32 ``[BN]``."""
+def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, n_lo, n_hi, N: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
+    """``dq8(a) @ W2[e]^T`` over the N steps ``n_lo .. n_hi`` of one slot's activation row (split
+    layout) for ``BN`` output rows (their repacked row groups from ``w_g``), fp32 ``[BN]``."""
     NH: tl.constexpr = N // 2
     NS: tl.constexpr = N // 32
     BKH: tl.constexpr = BK // 2
@@ -577,12 +577,12 @@ def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, N: tl.constexpr, BN: tl
     a_h = a_row + 32 * (offs_h // 16) + offs_h % 16
     acc = tl.zeros((BN, 16), dtype=tl.float32)
     row_s = s_e + offs_o[:, None] * NS + offs_s[None, :]
-    s = tl.load(row_s, mask=ovalid[:, None] & (offs_s < NS)[None, :], other=0)
-    for n0 in range(0, N, BK):
+    s = tl.load(row_s + n_lo // 32, mask=ovalid[:, None] & ((n_lo // 32 + offs_s) < NS)[None, :], other=0)
+    for n0 in range(n_lo, n_hi, BK):
         hmask = (n0 // 2 + offs_h) < NH
         ae = _column0(tl.load(a_h + n0, mask=hmask, other=0.0), DOT_DTYPE)
         ao = _column0(tl.load(a_h + n0 + 16, mask=hmask, other=0.0), DOT_DTYPE)
-        sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < NS)[None, :]
+        sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < n_hi // 32)[None, :]  # (this run's: n_hi <= N)
         s_next = tl.load(row_s + (n0 + BK) // 32, mask=sm, other=0)
         we, wo = load_decode_repacked(w_g, gvalid, n0 // 64, NQ, s, BN, BKH, DOT_DTYPE, PTX, FOLD)
         acc = tl.dot(we, ae, acc)
@@ -603,8 +603,11 @@ def gemv2_kernel(
 ):
     """Program (token m, K tile of BN outputs, part): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T``
     over the token's local slots in slot order, rounded once to the output dtype. With ``SPLIT``
-    > 1 the slots are split in that many runs of consecutive slots, one a program, and the last
-    program to finish adds the runs' sums in order (``_last_of_split``)."""
+    > 1 the work is split between that many programs: up to ``TOPK``, in runs of consecutive
+    slots; beyond, ``SPLIT`` is a multiple of ``TOPK`` and each program takes one slot and one of
+    ``SPLIT / TOPK`` runs of its N steps. The last program to finish adds the parts' sums in part
+    order (``_last_of_split``)."""
+    tl.static_assert(SPLIT <= TOPK or SPLIT % TOPK == 0, "gemv2: a split above top_k must be a multiple of it")
     pid = tl.program_id(0)
     m = pid % M
     rest = pid // M
@@ -614,17 +617,23 @@ def gemv2_kernel(
     ovalid = offs_o < K
     NS: tl.constexpr = N // 32
     NQ: tl.constexpr = (N // 2 + 31) // 32
-    PER: tl.constexpr = (TOPK + SPLIT - 1) // SPLIT  # slots a part
+    KP: tl.constexpr = SPLIT // TOPK if SPLIT > TOPK else 1  # runs of N steps a slot
+    RUNS: tl.constexpr = SPLIT // KP  # runs of slots
+    PER: tl.constexpr = (TOPK + RUNS - 1) // RUNS  # slots a run
+    NPER: tl.constexpr = ((N + BK - 1) // BK + KP - 1) // KP * BK  # N elements a run of steps
+    run = part // KP
+    n_lo = (part % KP) * NPER
+    n_hi = tl.minimum(n_lo + NPER, N)
     gvalid = (pid_n * BN + 16 * tl.arange(0, BN // 16)) < K
     m64 = m.to(tl.int64)
     total = tl.zeros((BN,), dtype=tl.float32)
     for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
         gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
         e, ours = local_expert(gid, expert_offset, E)
-        if ours & (jj // PER == part):
+        if ours & (jj // PER == run):
             w_g = w_ptr + e * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512)
-            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_g, gvalid, s_ptr + e * (K * NS), offs_o, ovalid, N, BN,
-                            BK, DOT_DTYPE, PTX, FOLD)
+            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_g, gvalid, s_ptr + e * (K * NS), offs_o, ovalid, n_lo,
+                            n_hi, N, BN, BK, DOT_DTYPE, PTX, FOLD)
             if HAS_GS:
                 y = y * tl.load(gs_ptr + e)
             total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)

@@ -49,11 +49,12 @@ class Config:
     warps2: int
     stages2: int
     atomic: bool  # reduce into an fp32 accumulator with atomics (else per-slot rows, deterministic)
-    # the small-M path: gemv1/gemv2 on the CUDA cores, one slot a program (bm is then 1, and
+    # the small-M path: gemv1/gemv2, one slot a program (bm is then 1, and
     # bn1/bk1/warps1/stages1, bn2/bk2/warps2/stages2 are the two GEMV kernels' tiles)
     gemv: bool = False
-    # the GEMV path only: programs that share one slot's K steps (gemv1) and one token's slots
-    # (gemv2), their sums added by the last to finish (``kernels._last_of_split``)
+    # the GEMV path only: programs that share one slot's K steps (gemv1) and one token's slots, or
+    # above top_k its slots' N steps (gemv2), their sums added by the last to finish
+    # (``kernels._last_of_split``)
     split1: int = 1
     split2: int = 1
 
@@ -121,15 +122,37 @@ def _atomic(tokens: int, geometry) -> bool:
 GEMV_MAX_SLOTS = 32
 GEMV_MAX_TOKENS = 4
 # GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 16; bk: K step, a multiple of
-# 64; warps; stages; split: programs sharing a slot's K steps), gemv2 (bn: K outputs; bk: N step;
-# split: programs sharing a token's slots). Both decode like the blocked GEMMs and multiply on the
-# tensor cores (64 weight rows a warpgroup). At small M there are few programs (slots x tiles), so
-# where a kernel has fewer than ``_FEW_PROGRAMS`` a split multiplies them (``gemv_config``).
-_GEMV1 = ((64, 256, 4, 3, 1), (64, 128, 4, 4, 1), (128, 128, 4, 3, 1), (64, 512, 4, 2, 1),
-          (64, 256, 4, 3, 2), (64, 128, 4, 4, 2), (64, 256, 4, 3, 4), (64, 128, 4, 4, 4))
-_GEMV2 = ((64, 128, 4, 3, 1), (64, 256, 4, 3, 1), (128, 128, 4, 3, 1), (64, 512, 4, 2, 1),
-          (64, 128, 4, 3, 2), (64, 256, 4, 3, 2), (64, 128, 4, 3, 4), (64, 256, 4, 3, 4))
-_FEW_PROGRAMS = 200
+# 64), gemv2 (bn: K outputs; bk: N step), with 4 warps. Both decode like the blocked GEMMs and
+# multiply on the tensor cores (64 weight rows a warpgroup). A program's K steps wait on HBM one
+# after another (its code loads are pipelined, but its x, activation and scale loads are not), so
+# few steps a program and many programs is what keeps enough bytes in flight: the split gives a
+# slot's K steps (gemv1), or a token's slots and then their N steps (gemv2), to that many programs,
+# ``_GEMV_STEPS`` steps each.
+_GEMV_TILES = ((64, 256), (64, 128), (64, 512))
+_GEMV_STEPS = (1, 2, 4)
+
+
+def _steps_stages(per: int) -> int:
+    """Pipeline stages for a program of ``per`` K steps (1: no pipeline, all its loads at once)."""
+    return 1 if per == 1 else min(per, 3)
+
+
+def gemv_candidates(geometry) -> tuple[list[tuple], list[tuple]]:
+    """The gemv1 and gemv2 tiles ``(bn, bk, warps, stages, split)`` the tuner times."""
+    g = geometry
+    t1, t2 = [], []
+    for bn, bk in _GEMV_TILES:
+        steps1 = -(-g.hidden_size // bk)
+        steps2 = -(-g.intermediate_size // bk)
+        for per in _GEMV_STEPS:
+            c1 = (bn, bk, 4, _steps_stages(per), -(-steps1 // per))
+            if per <= steps1 and c1 not in t1:
+                t1.append(c1)
+        for per in _GEMV_STEPS + (steps2,):
+            c2 = (bn, bk, 4, _steps_stages(min(per, steps2)), g.top_k * -(-steps2 // per))
+            if per <= steps2 and c2 not in t2:
+                t2.append(c2)
+    return t1, t2
 
 
 def use_gemv(tokens: int, geometry, mode=None) -> bool:
@@ -140,20 +163,10 @@ def use_gemv(tokens: int, geometry, mode=None) -> bool:
 
 
 def gemv_config(tokens: int, geometry) -> Config:
-    """The default GEMV tiles: 64 rows and 256-element steps a program, and the smallest split
-    (1, 2 or 4) that gives each kernel ``_FEW_PROGRAMS`` programs (within its K steps, or slots)."""
+    """The default GEMV tiles: 64 rows and 256-element steps, one step a program."""
     g = geometry
-
-    def split(programs: int, most: int) -> int:
-        s = 1
-        while s < 4 and s < most and programs * s < _FEW_PROGRAMS:
-            s *= 2
-        return s
-
-    s1 = split(tokens * g.top_k * -(-g.intermediate_size // 64), -(-g.hidden_size // 256))
-    s2 = split(tokens * -(-g.hidden_size // 64), g.top_k)
-    g1 = {1: _GEMV1[0], 2: _GEMV1[4], 4: _GEMV1[6]}[s1]
-    g2 = {1: _GEMV2[1], 2: _GEMV2[5], 4: _GEMV2[7]}[s2]
+    g1 = (64, 256, 4, 1, -(-g.hidden_size // 256))
+    g2 = (64, 256, 4, 1, g.top_k * -(-g.intermediate_size // 256))
     return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
@@ -171,8 +184,9 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
     the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced."""
     out = []
     if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
-        for g1 in _GEMV1:
-            for g2 in _GEMV2:
+        t1, t2 = gemv_candidates(geometry)
+        for g1 in t1:
+            for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
     if gemv is True:
         return out
