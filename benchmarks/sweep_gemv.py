@@ -35,7 +35,7 @@ from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, loa
 EXTRA = [(128, 256, 8, 1, 1), (128, 128, 8, 1, 1), (32, 256, 4, 1, 1), (64, 256, 8, 1, 1), (64, 128, 4, 3, 3)]
 
 
-def tiles(geometry):
+def sweep_tiles(geometry):
     t1, t2 = P.gemv_candidates(geometry)
     for bn, bk, warps, stages, per in EXTRA:
         s1 = -(-geometry.hidden_size // bk)
@@ -102,7 +102,7 @@ def main(argv=None):
                 return graph_time(calls, reps=10) * 1e6
 
             best = {}
-            G1, G2 = tiles(g)
+            G1, G2 = sweep_tiles(g)
             for kind, cands in (("gemv1", G1), ("gemv2", G2)):
                 stage = "gemm1" if kind == "gemv1" else "gemm2"
                 if kind == "gemv2":  # its input: the best gemv1's activations
