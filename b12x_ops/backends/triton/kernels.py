@@ -603,11 +603,10 @@ def gemv2_kernel(
 ):
     """Program (token m, K tile of BN outputs, part): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T``
     over the token's local slots in slot order, rounded once to the output dtype. With ``SPLIT``
-    > 1 the work is split between that many programs: up to ``TOPK``, in runs of consecutive
-    slots; beyond, ``SPLIT`` is a multiple of ``TOPK`` and each program takes one slot and one of
-    ``SPLIT / TOPK`` runs of its N steps. The last program to finish adds the parts' sums in part
-    order (``_last_of_split``)."""
-    tl.static_assert(SPLIT <= TOPK or SPLIT % TOPK == 0, "gemv2: a split above top_k must be a multiple of it")
+    > 1 the work is split between that many programs: a multiple of ``TOPK`` gives each one slot
+    and one of ``SPLIT / TOPK`` runs of its N steps, any other split runs of consecutive slots (some
+    of them empty above ``TOPK``). The last program to finish adds the parts' sums in part order
+    (``_last_of_split``)."""
     pid = tl.program_id(0)
     m = pid % M
     rest = pid // M
@@ -617,7 +616,7 @@ def gemv2_kernel(
     ovalid = offs_o < K
     NS: tl.constexpr = N // 32
     NQ: tl.constexpr = (N // 2 + 31) // 32
-    KP: tl.constexpr = SPLIT // TOPK if SPLIT > TOPK else 1  # runs of N steps a slot
+    KP: tl.constexpr = SPLIT // TOPK if SPLIT % TOPK == 0 else 1  # runs of N steps a slot
     RUNS: tl.constexpr = SPLIT // KP  # runs of slots
     PER: tl.constexpr = (TOPK + RUNS - 1) // RUNS  # slots a run
     NPER: tl.constexpr = ((N + BK - 1) // BK + KP - 1) // KP * BK  # N elements a run of steps

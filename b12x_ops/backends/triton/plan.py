@@ -87,12 +87,13 @@ class Config:
 # gave wrong sums in about 1 call in 50 on the H200 when Triton pipelined it over 3 or 4 stages
 # (Qwen3 and DSv4 shapes; never at 2 stages or 128-element steps): such steps now get at most 2
 # stages (``_stages``), and the defaults take 128-element steps, as fast there
-# (``results/sweep_blocked_repacked.md``).
+# (``results/sweep_blocked_repacked.md``), except above 64 rows an expert, where GEMM2's 128-row
+# tile of 64-element steps at 2 stages is 6-9 % faster at M = 8192 (``results/sweep_blocked_large.md``).
 _REGIMES = (
     (8, [(16, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (64, 64, 4, 2), (128, 64, 4, 2))]),
     (24, [(32, (64, 128, 4, 3), (64, 128, 4, 3)), (16, (64, 64, 4, 2), (128, 64, 4, 2))]),
     (64, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (128, 128, 8, 3), (128, 64, 4, 2))]),
-    (1 << 30, [(128, (64, 128, 4, 3), (64, 128, 4, 3)), (64, (128, 128, 8, 3), (128, 64, 4, 2))]),
+    (1 << 30, [(128, (64, 128, 4, 3), (128, 64, 4, 2)), (64, (128, 128, 8, 3), (128, 64, 4, 2))]),
 )
 
 
@@ -130,6 +131,8 @@ GEMV_MAX_TOKENS = 4
 # ``_GEMV_STEPS`` steps each.
 _GEMV_TILES = ((64, 256), (64, 128), (64, 512))
 _GEMV_STEPS = (1, 2, 4)
+_GEMV1_PROGRAMS = 2400
+_GEMV2_PROGRAMS = 600
 
 
 def _steps_stages(per: int) -> int:
@@ -163,10 +166,19 @@ def use_gemv(tokens: int, geometry, mode=None) -> bool:
 
 
 def gemv_config(tokens: int, geometry) -> Config:
-    """The default GEMV tiles: 64 rows and 256-element steps, one step a program."""
+    """The default GEMV tiles (64 rows a program): gemv1 in 256-element steps, its K steps split so
+    that about ``_GEMV1_PROGRAMS`` programs run (one step each at one token); gemv2 in 128-element
+    steps, 3 stages, one slot a program, each slot's N steps split in runs of about 4 while that
+    keeps the programs under ``_GEMV2_PROGRAMS`` (H200 sweep: ``results/sweep_gemv_steps.md``)."""
     g = geometry
-    g1 = (64, 256, 4, 1, -(-g.hidden_size // 256))
-    g2 = (64, 256, 4, 1, g.top_k * -(-g.intermediate_size // 256))
+    slots = tokens * g.top_k
+    steps1 = -(-g.hidden_size // 256)
+    split1 = min(steps1, -(-_GEMV1_PROGRAMS // (slots * -(-g.intermediate_size // 64))))
+    per1 = -(-steps1 // split1)
+    steps2 = -(-g.intermediate_size // 128)
+    runs = max(1, min((steps2 + 2) // 4, _GEMV2_PROGRAMS // (slots * -(-g.hidden_size // 64))))
+    g1 = (64, 256, 4, _steps_stages(per1), -(-steps1 // per1))
+    g2 = (64, 128, 4, 3, g.top_k * runs)
     return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
@@ -185,6 +197,9 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
     out = []
     if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
         t1, t2 = gemv_candidates(geometry)
+        d = gemv_config(tokens, geometry)  # (the default among them)
+        t1 += [d.tiles1()] if d.tiles1() not in t1 else []
+        t2 += [d.tiles2()] if d.tiles2() not in t2 else []
         for g1 in t1:
             for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
