@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..reference import swiglu as swiglu_torch
 from ...mx import dequantize_mxfp4, quant_dequant_mxfp8
-from .mxtl import load_decode_repacked, mxfp8_apply, mxfp8_block_scale, quant_dequant_mxfp8_tile
+from .mxtl import decode_repacked, load_repacked, mxfp8_apply, mxfp8_block_scale, quant_dequant_mxfp8_tile
 
 
 def num_blocks(num_slots: int, num_experts: int, bm: int) -> int:
@@ -319,7 +319,7 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
 # The decoded weights are the MMA's first operand, which Hopper can take from registers; the
 # activations (split layout, see ``split_col``) are the second. The codes are in the repacked
 # layout (``layout.py``): a step loads 16 contiguous bytes a lane a 32-byte chunk and decodes them
-# in the operand's own registers (``mxtl.load_decode_repacked``). Programs run block-major (a
+# in the operand's own registers (``mxtl.load_repacked``, ``mxtl.decode_repacked``). Programs run block-major (a
 # block's N tiles side by side), so that at large M a block's activation rows are read from HBM
 # once, not once per N tile. (Measured on the H200 against the row-major form, ``rows @ W^T`` with
 # tiles of rows: 2-6x faster; ``benchmarks/results/sweep_blocked.md``.) K steps (``BK``) are
@@ -338,18 +338,14 @@ def _w13_groups(w_ptr, e, pid_n, N: tl.constexpr, NQ: tl.constexpr, BN: tl.const
 
 
 @triton.jit
-def _up_gate_step(up_g, gate_g, gvalid, q0, NQ: tl.constexpr, su, sg, xe, xo, acc_u, acc_g, BN: tl.constexpr,
-                  BKH: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
-    """One K step of GEMM1's two products (gemm1 and gemv1): the step's up and gate code tiles
-    (chunks ``q0 ..``, scale bytes ``su``/``sg``) decoded and multiplied by its even and odd
-    activations ``xe``/``xo``, added into ``acc_u``/``acc_g``."""
-    ue, uo = load_decode_repacked(up_g, gvalid, q0, NQ, su, BN, BKH, DOT_DTYPE, PTX, FOLD)
-    acc_u = tl.dot(ue, xe, acc_u)
-    acc_u = tl.dot(uo, xo, acc_u)
-    ge, go = load_decode_repacked(gate_g, gvalid, q0, NQ, sg, BN, BKH, DOT_DTYPE, PTX, FOLD)
-    acc_g = tl.dot(ge, xe, acc_g)
-    acc_g = tl.dot(go, xo, acc_g)
-    return acc_u, acc_g
+def _mma_step(t, scale_bytes, ve, vo, acc, BN: tl.constexpr, BKH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              PTX: tl.constexpr, FOLD: tl.constexpr):
+    """One K step of a product (all four GEMM kernels): the loaded code tile ``t``
+    (``mxtl.load_repacked``) decoded with its scale bytes and multiplied by the step's even and odd
+    activations ``ve``/``vo``, added into ``acc``."""
+    we, wo = decode_repacked(t, scale_bytes, BN, BKH, DOT_DTYPE, PTX, FOLD)
+    acc = tl.dot(we, ve, acc)
+    return tl.dot(wo, vo, acc)
 
 
 @_jit(dns=("nblocks",))
@@ -395,8 +391,10 @@ def gemm1_kernel(
         sm = nvalid[:, None] & ((k0 // 32 + BK // 32 + offs_s) < KS)[None, :]
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
-        acc_u, acc_g = _up_gate_step(up_g, gate_g, gvalid, k0 // 64, NQ, su, sg, xe, xo, acc_u, acc_g, BN, BKH,
-                                     DOT_DTYPE, PTX, FOLD)
+        q0 = k0 // 64
+        acc_u = _mma_step(load_repacked(up_g, gvalid, q0, NQ, BN, BKH), su, xe, xo, acc_u, BN, BKH, DOT_DTYPE, PTX, FOLD)
+        acc_g = _mma_step(load_repacked(gate_g, gvalid, q0, NQ, BN, BKH), sg, xe, xo, acc_g, BN, BKH, DOT_DTYPE, PTX,
+                          FOLD)
         su, sg = su_next, sg_next
     _store_act(acc_u, acc_g, gs_ptr, e, limit, a_ptr, rows, rvalid, offs_n, nvalid, N, HAS_GS, HAS_LIMIT)
 
@@ -438,9 +436,7 @@ def gemm2_kernel(
         ao = tl.load(aT + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
         sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < NS)[None, :]
         s_next = tl.load(row_s + (n0 + BK) // 32, mask=sm, other=0)
-        we, wo = load_decode_repacked(w_g, gvalid, n0 // 64, NQ, s, BN, BKH, DOT_DTYPE, PTX, FOLD)
-        acc = tl.dot(we, ae, acc)
-        acc = tl.dot(wo, ao, acc)
+        acc = _mma_step(load_repacked(w_g, gvalid, n0 // 64, NQ, BN, BKH), s, ae, ao, acc, BN, BKH, DOT_DTYPE, PTX, FOLD)
         s = s_next
     _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)
 
@@ -451,7 +447,7 @@ def gemm2_kernel(
 # its token's row of x to MXFP8 on the fly and writes the slot's ``dq8(silu(gate) * up)`` row
 # (split layout); ``gemv2`` runs per (token, K tile), adds the token's slots in slot order
 # (deterministic, no atomics, no accumulator to zero) and writes the output in its dtype. Both
-# decode the codes as the blocked GEMMs do (``mxtl.load_decode_repacked``, the MMA operand's own
+# decode the codes as the blocked GEMMs do (``mxtl.decode_repacked``, the MMA operand's own
 # registers) and multiply on the tensor cores with the one row as column 0 of a 16-column operand
 # whose other columns are zero: the MMA's work is wasted 15 times over, but the decode (the
 # ALU cost per weight, which bounds these kernels) is the blocked path's cheap one. (The CUDA-core
@@ -536,6 +532,10 @@ def gemv1_kernel(
     acc_u = tl.zeros((BN, 16), dtype=tl.float32)
     acc_g = tl.zeros((BN, 16), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
+        # both code tiles' loads first: they then wait on memory together (the MMAs' fences keep
+        # the compiler from hoisting a later load above them)
+        tu = load_repacked(up_g, gvalid, k0 // 64, NQ, BN, BKH)
+        tg = load_repacked(gate_g, gvalid, k0 // 64, NQ, BN, BKH)
         # this step of x, quantized to MXFP8 on the fly (a block's maximum within a warp), then
         # its even and odd elements as column 0 of the MMA's second operand
         raw = tl.load(x_row + k0 + 32 * j[:, None] + r32[None, :], mask=((k0 + 32 * j) < K)[:, None], other=0)
@@ -548,8 +548,8 @@ def gemv1_kernel(
         sm = nvalid[:, None] & ((k0 // 32 + NB + j) < k_hi // 32)[None, :]  # (this part's: k_hi <= K)
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
-        acc_u, acc_g = _up_gate_step(up_g, gate_g, gvalid, k0 // 64, NQ, su, sg, xe, xo, acc_u, acc_g, BN, BKH,
-                                     DOT_DTYPE, PTX, FOLD)
+        acc_u = _mma_step(tu, su, xe, xo, acc_u, BN, BKH, DOT_DTYPE, PTX, FOLD)
+        acc_g = _mma_step(tg, sg, xe, xo, acc_g, BN, BKH, DOT_DTYPE, PTX, FOLD)
         su, sg = su_next, sg_next
     up = tl.sum(acc_u, axis=1)  # (columns 1.. are zeros)
     gate = tl.sum(acc_g, axis=1)
@@ -574,19 +574,20 @@ def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, n_lo, n_hi, N: tl.const
     NQ: tl.constexpr = (NH + 31) // 32
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
-    a_h = a_row + 32 * (offs_h // 16) + offs_h % 16
+    col = tl.arange(0, 16)
+    # the activations as column 0 of the MMA's second operand, loaded as such (a masked load that
+    # feeds the MMA: Triton's pipeline copies it to shared memory with the codes)
+    a_h = a_row + (32 * (offs_h // 16) + offs_h % 16)[:, None] + 0 * col[None, :]
     acc = tl.zeros((BN, 16), dtype=tl.float32)
     row_s = s_e + offs_o[:, None] * NS + offs_s[None, :]
     s = tl.load(row_s + n_lo // 32, mask=ovalid[:, None] & ((n_lo // 32 + offs_s) < NS)[None, :], other=0)
     for n0 in range(n_lo, n_hi, BK):
-        hmask = (n0 // 2 + offs_h) < NH
-        ae = _column0(tl.load(a_h + n0, mask=hmask, other=0.0), DOT_DTYPE)
-        ao = _column0(tl.load(a_h + n0 + 16, mask=hmask, other=0.0), DOT_DTYPE)
+        am = ((n0 // 2 + offs_h) < NH)[:, None] & (col == 0)[None, :]
+        ae = tl.load(a_h + n0, mask=am, other=0.0).to(DOT_DTYPE)
+        ao = tl.load(a_h + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
         sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < n_hi // 32)[None, :]  # (this run's: n_hi <= N)
         s_next = tl.load(row_s + (n0 + BK) // 32, mask=sm, other=0)
-        we, wo = load_decode_repacked(w_g, gvalid, n0 // 64, NQ, s, BN, BKH, DOT_DTYPE, PTX, FOLD)
-        acc = tl.dot(we, ae, acc)
-        acc = tl.dot(wo, ao, acc)
+        acc = _mma_step(load_repacked(w_g, gvalid, n0 // 64, NQ, BN, BKH), s, ae, ao, acc, BN, BKH, DOT_DTYPE, PTX, FOLD)
         s = s_next
     return tl.sum(acc, axis=1)
 

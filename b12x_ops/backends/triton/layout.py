@@ -17,7 +17,7 @@ replaces the checkpoint's; it is no larger, but for K padded to a multiple of 64
   hold 8 nibbles, whose bits are re-laid so that three of its four bf16 pairs come out of one shift
   and one mask, ``(w << s) & 0x81C081C0`` for ``s`` = 0, 3, 6 (the sign at bit 15 of each half and
   ``e1 e0 m`` at bits 8..6: the E2M1 value times 2^-126 as a bf16), and the fourth out of three
-  shifts and three logic ops (``mxtl.decode_repacked_ptx``). Pair ``p = 2 odd + rh`` holds the
+  shifts and three logic ops (``mxtl._decode_repacked_ptx_source``). Pair ``p = 2 odd + rh`` holds the
   even (low) or odd (high) nibbles of rows ``r0 + 8 rh``, its low half from byte ``kk = 0``, its
   high half from ``kk = 1``.
 

@@ -125,14 +125,10 @@ def decode_repacked_ops(t, BN: tl.constexpr, BKH: tl.constexpr):
 
 
 @triton.jit
-def load_decode_repacked(w_g, gvalid, q0, NQ: tl.constexpr, scale_bytes, BN: tl.constexpr, BKH: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
-    """Load and decode one K step's ``[BN, BKH]`` code tile of the repacked layout: row groups from
-    ``w_g`` (the tile's first group; ``gvalid`` masks groups past the matrix), row-byte chunks
-    ``q0 ..`` of ``NQ``, the ``[BN, BKH / 16]`` E8M0 ``scale_bytes``. Returns the MMA operands
-    ``(even, odd)`` in ``DOT_DTYPE``: ``even[:, i]`` is element ``2i`` of the step (the low nibble of
-    row byte ``i``), ``odd[:, i]`` element ``2i + 1``. ``PTX`` decodes in inline PTX (``FOLD``: the
-    one-fma form); else Triton operations, scaled in fp32 (byte 0 gives 0 for 2^-127, as before)."""
+def load_repacked(w_g, gvalid, q0, NQ: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+    """One K step's ``[BN / 16, BKH / 32, 32, 16]`` repacked code tile: row groups from ``w_g``
+    (the tile's first group; ``gvalid`` masks groups past the matrix), row-byte chunks ``q0 ..``
+    of ``NQ`` (chunks past the row read as zero codes)."""
     G: tl.constexpr = BN // 16
     Q: tl.constexpr = BKH // 32
     g = tl.arange(0, G)
@@ -140,7 +136,17 @@ def load_decode_repacked(w_g, gvalid, q0, NQ: tl.constexpr, scale_bytes, BN: tl.
     lb = tl.arange(0, 512)
     off = (g[:, None, None] * NQ + q0 + q[None, :, None]) * 512 + lb[None, None, :]
     m = gvalid[:, None, None] & ((q0 + q) < NQ)[None, :, None]
-    t = tl.reshape(tl.load(w_g + off, mask=m, other=0), (G, Q, 32, 16))
+    return tl.reshape(tl.load(w_g + off, mask=m, other=0), (G, Q, 32, 16))
+
+
+@triton.jit
+def decode_repacked(t, scale_bytes, BN: tl.constexpr, BKH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    PTX: tl.constexpr, FOLD: tl.constexpr):
+    """A loaded repacked tile ``t`` (``load_repacked``) decoded with its ``[BN, BKH / 16]`` E8M0
+    ``scale_bytes``: the MMA operands ``(even, odd)`` ``[BN, BKH]`` in ``DOT_DTYPE``. ``even[:, i]``
+    is element ``2i`` of the step (the low nibble of row byte ``i``), ``odd[:, i]`` element
+    ``2i + 1``. ``PTX`` decodes in inline PTX (``FOLD``: the one-fma form); else Triton operations,
+    scaled in fp32 (byte 0 gives 0 for 2^-127, as before)."""
     if PTX:
         sb = _ptx_scales(scale_bytes, FOLD)
         sc = tl.reshape(tl.broadcast_to(sb[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
@@ -154,6 +160,13 @@ def load_decode_repacked(w_g, gvalid, q0, NQ: tl.constexpr, scale_bytes, BN: tl.
         even = ((ev * 16384.0) * sc).to(DOT_DTYPE)  # (2^14 undoes the decode's 2^-14: exact)
         odd = ((od * 16384.0) * sc).to(DOT_DTYPE)
     return even, odd
+
+
+@triton.jit
+def load_decode_repacked(w_g, gvalid, q0, NQ: tl.constexpr, scale_bytes, BN: tl.constexpr, BKH: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
+    """``decode_repacked`` of ``load_repacked``: one K step's MMA operands ``(even, odd)``."""
+    return decode_repacked(load_repacked(w_g, gvalid, q0, NQ, BN, BKH), scale_bytes, BN, BKH, DOT_DTYPE, PTX, FOLD)
 
 
 @triton.jit
