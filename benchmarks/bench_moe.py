@@ -296,8 +296,9 @@ def diagnose(handles, args, E, K, top_k, log):
         _, cfg = gp.plan_for(M)
         b12x_ops.moe_w4a8_out(x, ids, w, handles[0], o)
         nb = M * top_k if cfg.gemv else num_blocks(M * top_k, E, cfg.bm)
-        grids = {"prologue": 1 + -(-M // PROLOGUE["QR"]), "gemm1": nb * -(-g.intermediate_size // cfg.bn1),
-                 "gemm2": (M if cfg.gemv else nb) * -(-g.hidden_size // cfg.bn2),
+        rn = gp.runner(cfg)  # (its tile counts include the GEMV kernels' splits)
+        grids = {"prologue": 1 + -(-M // PROLOGUE["QR"]), "gemm1": nb * rn.n_tiles1,
+                 "gemm2": (M if cfg.gemv else nb) * rn.n_tiles2,
                  "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"])}
         stages = {}
         for s_ in gp.kinds(cfg):
