@@ -1,0 +1,94 @@
+"""The Triton backend's GEMV plan arithmetic (``plan.gemv_config``, ``plan.gemv_candidates``) on
+the CPU: every default and candidate split gives each program work the kernels can do, and the
+default is among what the tuner times. (The kernels themselves run in ``test_triton_interp.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+pytest.importorskip("triton")
+
+from b12x_ops.backends.triton import plan as P  # noqa: E402
+from b12x_ops.handle import Geometry  # noqa: E402
+
+
+def geometry(E, K, N, top_k):
+    return Geometry(num_experts=E, hidden_size=K, intermediate_size=N, top_k=top_k, w13_layout="w13",
+                    activation="silu", swiglu_limit=None, has_global_scales=False, device=torch.device("cpu"),
+                    deterministic=False)
+
+
+def parts_of(steps: int, split: int) -> list[int]:
+    """Steps each of ``split`` programs takes when ``steps`` are cut in runs of ceil(steps / split)
+    (``gemv1_kernel``'s ``PER``, ``gemv2_kernel``'s ``NPER``)."""
+    per = -(-steps // split)
+    return [max(0, min(steps, (p + 1) * per) - p * per) for p in range(split)]
+
+
+def check_gemv1(g, tiles):
+    bn, bk, warps, stages, split = tiles
+    assert bn % 16 == 0 and bk % 64 == 0 and warps in (4, 8) and stages >= 1 and split >= 1
+    steps = -(-g.hidden_size // bk)
+    parts = parts_of(steps, split)
+    assert sum(parts) == steps
+    if split > 1:  # a split of a slot's K steps leaves no program of a tile idle but maybe the last
+        assert all(p > 0 for p in parts[:-1]), (tiles, parts)
+    assert stages == 1 or max(parts) > 1  # one-step programs need no pipeline
+
+
+def check_gemv2(g, tiles):
+    bn, bk, warps, stages, split = tiles
+    assert bn % 16 == 0 and bk % 64 == 0 and stages >= 1 and split >= 1
+    if split > g.top_k and split % g.top_k == 0:  # one slot and one run of its N steps a program
+        steps = -(-g.intermediate_size // bk)
+        runs = parts_of(steps, split // g.top_k)
+        assert sum(runs) == steps and all(r > 0 for r in runs), (tiles, runs)  # no idle program
+    else:  # runs of slots
+        assert split <= g.top_k or split % g.top_k
+
+
+GEOS = {"gpt-oss-120b": (128, 2880, 2880, 4), "dsv4.1-tp4": (384, 5120, 576, 6), "qwen3-30b-a3b": (128, 2048, 768, 8),
+        "small": (5, 160, 64, 2)}
+
+
+@pytest.mark.parametrize("name", list(GEOS))
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+def test_gemv_defaults_are_valid_and_among_the_candidates(name, tokens):
+    g = geometry(*GEOS[name])
+    cfg = P.gemv_config(tokens, g)
+    assert cfg.gemv and cfg.bm == 1 and not cfg.atomic  # gemv2 sums a token's slots itself
+    check_gemv1(g, cfg.tiles1())
+    check_gemv2(g, cfg.tiles2())
+    cands = P.candidate_configs(tokens, g, gemv=True)
+    assert cfg.tiles1() in {c.tiles1() for c in cands} and cfg.tiles2() in {c.tiles2() for c in cands}
+    for c in cands:
+        check_gemv1(g, c.tiles1())
+        check_gemv2(g, c.tiles2())
+
+
+def test_gemv_defaults_on_the_benchmark_layers():
+    """The splits the H200 sweeps chose (results/sweep_gemv_steps.md): gpt-oss at one token, one
+    256-element K step a gemv1 program and 3 128-element N steps a gemv2 program; fewer, longer
+    programs as the tokens grow."""
+    g = geometry(*GEOS["gpt-oss-120b"])
+    assert P.gemv_config(1, g).tiles1() == (64, 256, 4, 1, 12)
+    assert P.gemv_config(1, g).tiles2() == (64, 128, 4, 3, 12)
+    assert P.gemv_config(4, g).tiles2() == (64, 128, 4, 3, 4)
+    split1 = [P.gemv_config(m, g).split1 for m in (1, 2, 3, 4)]
+    assert split1 == sorted(split1, reverse=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(E=st.integers(1, 512), K=st.integers(1, 256).map(lambda k: 32 * k), N=st.integers(1, 128).map(lambda n: 32 * n),
+       top_k=st.integers(1, 16), tokens=st.integers(1, 4))
+def test_gemv_splits_are_valid_for_any_layer(E, K, N, top_k, tokens):
+    g = geometry(E, K, N, min(top_k, E))
+    cfg = P.gemv_config(tokens, g)
+    check_gemv1(g, cfg.tiles1())
+    check_gemv2(g, cfg.tiles2())
+    slots = tokens * g.top_k
+    # gemv1's programs: about _GEMV1_PROGRAMS, or one step each when the slots x tiles are few
+    programs = slots * -(-N // 64) * cfg.split1
+    assert cfg.split1 == 1 or programs <= P._GEMV1_PROGRAMS + slots * -(-N // 64) * 2
