@@ -12,9 +12,9 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   tuner may pick either below the bound); ``True`` uses GEMV for every planned count, ``False``
   never (benchmarks compare the two this way).
 * ``ptx`` (bool or None, default None): the kernels decode MXFP4 with inline PTX
-  (``mxtl.load_repacked``, ``mxtl.decode_repacked``) when the checkpoint's scale bytes allow it (in [2, 252]; in
-  [2, 128], the usual case, its cheaper one-fma form); ``False`` uses the Triton-ops decode (a
-  benchmark and debugging switch).
+  (``mxtl.decode_repacked``) when the checkpoint's scale bytes allow it (in [2, 252]; in [2, 128],
+  the usual case, its cheaper one-fma form); ``False`` uses the Triton-ops decode (a benchmark and
+  debugging switch).
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 

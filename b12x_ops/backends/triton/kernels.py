@@ -319,7 +319,7 @@ def gemm2_torch(a_rows, w2, w2_scale, e, weights, g2=None):
 # The decoded weights are the MMA's first operand, which Hopper can take from registers; the
 # activations (split layout, see ``split_col``) are the second. The codes are in the repacked
 # layout (``layout.py``): a step loads 16 contiguous bytes a lane a 32-byte chunk and decodes them
-# in the operand's own registers (``mxtl.load_repacked``, ``mxtl.decode_repacked``). Programs run block-major (a
+# in the operand's own registers (``mxtl.decode_repacked``). Programs run block-major (a
 # block's N tiles side by side), so that at large M a block's activation rows are read from HBM
 # once, not once per N tile. (Measured on the H200 against the row-major form, ``rows @ W^T`` with
 # tiles of rows: 2-6x faster; ``benchmarks/results/sweep_blocked.md``.) K steps (``BK``) are
@@ -443,10 +443,12 @@ def gemm2_kernel(
 
 # ---------------------------------------------------------------------------------- small-M GEMV
 # The small-M path is two launches and needs no routing pass: ``gemv1`` runs per (routed slot,
-# N tile) and reads the slot's expert id itself (foreign and padding slots exit at once), quantizes
-# its token's row of x to MXFP8 on the fly and writes the slot's ``dq8(silu(gate) * up)`` row
-# (split layout); ``gemv2`` runs per (token, K tile), adds the token's slots in slot order
-# (deterministic, no atomics, no accumulator to zero) and writes the output in its dtype. Both
+# N tile, K part) and reads the slot's expert id itself (foreign and padding slots exit at once),
+# quantizes its token's row of x to MXFP8 on the fly and writes the slot's ``dq8(silu(gate) * up)``
+# row (split layout); ``gemv2`` runs per (token, K tile, part), adds the token's slots in slot order
+# (deterministic, no atomics, no accumulator to zero) and writes the output in its dtype. A
+# program's K steps wait on memory one after another, so the parts (``plan.gemv_config``) give
+# each program few steps, and the last program of a tile to finish adds the parts. Both
 # decode the codes as the blocked GEMMs do (``mxtl.decode_repacked``, the MMA operand's own
 # registers) and multiply on the tensor cores with the one row as column 0 of a 16-column operand
 # whose other columns are zero: the MMA's work is wasted 15 times over, but the decode (the
