@@ -1,0 +1,41 @@
+"""The blocked path's four launches at gpt-oss M = 16 and 64, once each between profiler start and
+stop, for Nsight Compute:
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section SchedulerStats --section LaunchStats \
+        python benchmarks/profile_blocked.py
+
+(one layer, random codes, tuning off; ncu flushes the caches before each pass, so the weights come
+from HBM). ``results/ncu_blocked.txt`` is its output on the H200.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import b12x_ops  # noqa: E402
+from bench_moe import layer_batches, random_layer  # noqa: E402
+
+
+def main():
+    E, K, N, top_k = 128, 2880, 2880, 4  # gpt-oss-120b
+    h = b12x_ops.prepare_experts(*random_layer(E, K, N, "cuda", 100), top_k=top_k, swiglu_limit=7.0, backend="triton",
+                                 tune=False, max_tokens=64, frozen=False)
+    for M in (16, 64):
+        xs, idss, wss, outs = layer_batches(M, E, K, top_k, 1)
+        b12x_ops.moe_w4a8_out(xs[0], idss[0], wss[0], h, outs[0])  # (warm)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        b12x_ops.moe_w4a8_out(xs[0], idss[0], wss[0], h, outs[0])
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
