@@ -177,6 +177,7 @@ def gemv_config(tokens: int, geometry) -> Config:
     per1 = -(-steps1 // split1)
     steps2 = -(-g.intermediate_size // 128)
     runs = max(1, min((steps2 + 2) // 4, _GEMV2_PROGRAMS // (slots * -(-g.hidden_size // 64))))
+    runs = -(-steps2 // -(-steps2 // runs))  # (no empty run: 25 steps in 6 runs of 5 would leave one)
     g1 = (64, 256, 4, _steps_stages(per1), -(-steps1 // per1))
     g2 = (64, 128, 4, 3, g.top_k * runs)
     return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
