@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import platform
 import sys
 import time
@@ -157,8 +158,9 @@ def _print_memory(args, chosen: str) -> None:
         scratch = f"{scratch_estimate(geo, caps) * mib:.1f} MiB"
     except ImportError:
         scratch = "(triton is not installed)"
-    # the triton backend's code layout pads each row to whole 32-byte chunks (K and N to multiples of 64)
-    tri = e * (2 * n * -(-k // 64) * 32 + k * -(-n // 64) * 32) + scales
+    # (the triton backend's code layout pads each row to whole 32-byte chunks: K and N to multiples of 64)
+    from .backends.triton.layout import repacked_shape
+    tri = math.prod(repacked_shape((e, 2 * n, k // 2))) + math.prod(repacked_shape((e, k, n // 2))) + scales
     print(f"  triton     {tri * mib:.1f} MiB on the device (the MXFP4 bytes only, repacked for its kernels in place of "
           f"the checkpoint's: no bf16 copy) + {scratch} of scratch shared by all layers of the geometry "
           f"(max_tokens {args.max_tokens})")

@@ -300,7 +300,7 @@ def test_gpu_ptx_decode_is_exact_for_every_code_and_scale(fold, top):
     import triton.language as tl
 
     from b12x_ops.backends.triton.layout import repack_codes
-    from b12x_ops.backends.triton.mxtl import load_decode_repacked
+    from b12x_ops.backends.triton.mxtl import decode_repacked, load_repacked
     from b12x_ops.mx import dequantize_mxfp4
 
     @triton.jit
@@ -311,8 +311,8 @@ def test_gpu_ptx_decode_is_exact_for_every_code_and_scale(fold, top):
         s = tl.arange(0, BKH // 16)
         sc = tl.load(s_ptr + (pid * 64 + r)[:, None] * (BKH // 16) + s[None, :])
         NQ: tl.constexpr = BKH // 32
-        ev, od = load_decode_repacked(w_ptr + pid * 4 * NQ * 512, tl.arange(0, 4) < 4, 0, NQ, sc, 64, BKH,
-                                      tl.bfloat16, True, FOLD)
+        ev, od = decode_repacked(load_repacked(w_ptr + pid * 4 * NQ * 512, tl.arange(0, 4) < 4, 0, NQ, 64, BKH), sc, 64,
+                                 BKH, tl.bfloat16, True, FOLD)
         eye = (h[:, None] == h[None, :]).to(tl.bfloat16)
         rows = (pid * 64 + r)[:, None] * BKH + h[None, :]
         tl.store(e_ptr + rows, tl.dot(ev, eye))

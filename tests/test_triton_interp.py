@@ -45,7 +45,8 @@ if INNER:
     from b12x_ops.backends.triton import kernels as K_
     from b12x_ops.backends.triton import plan as P
     from b12x_ops.backends.triton.layout import repack_codes
-    from b12x_ops.backends.triton.mxtl import decode_repacked_ops, load_decode_repacked, quant_dequant_mxfp8_tile
+    from b12x_ops.backends.triton.mxtl import (decode_repacked, decode_repacked_ops, load_repacked,
+                                               quant_dequant_mxfp8_tile)
     from b12x_ops.backends.triton.remap import ep_remap
     from b12x_ops.mx import dequantize_mxfp4, quant_dequant_mxfp8
 
@@ -60,14 +61,14 @@ if INNER:
     def _decode_kernel(w_ptr, s_ptr, e_ptr, o_ptr, R: tl.constexpr, BKH: tl.constexpr, NQ: tl.constexpr,
                        SCALED: tl.constexpr):
         """A repacked ``[R, 2 * BKH]``-element tile decoded: unscaled by ``decode_repacked_ops``, or
-        by ``load_decode_repacked`` (Triton ops) with its scale bytes ``[R, BKH // 16]``."""
+        by ``decode_repacked`` (Triton ops) with its scale bytes ``[R, BKH // 16]``."""
         r = tl.arange(0, R)
         h = tl.arange(0, BKH)
         if SCALED:
             s = tl.arange(0, BKH // 16)
             sc = tl.load(s_ptr + r[:, None] * (BKH // 16) + s[None, :])
-            ev, od = load_decode_repacked(w_ptr, tl.arange(0, R // 16) < R // 16, 0, NQ, sc, R, BKH, tl.float32,
-                                          False, False)
+            ev, od = decode_repacked(load_repacked(w_ptr, tl.arange(0, R // 16) < R // 16, 0, NQ, R, BKH), sc, R, BKH,
+                                     tl.float32, False, False)
         else:
             G: tl.constexpr = R // 16
             Q: tl.constexpr = BKH // 32

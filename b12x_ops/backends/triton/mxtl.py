@@ -18,8 +18,8 @@ import triton.language as tl
 # The weights' codes are kept in the layout of ``layout.py``: a loaded ``[groups, chunks, 32, 16]``
 # tile is the MMA operand tile ``[rows, bytes]`` after a reshape and a permute
 # (``repacked_to_operand``), and each 32-bit word holds 8 nibbles placed for a cheap decode.
-# ``decode_repacked_ptx`` decodes a word in inline PTX (GPU, scale bytes in [2, 252]) into its
-# four bf16 pairs times their rows' scales:
+# The asm of ``_decode_repacked_ptx_source`` (used by ``decode_repacked``) decodes a word in
+# inline PTX (GPU, scale bytes in [2, 252]) into its four bf16 pairs times their rows' scales:
 #  * pairs 0..2 are ``(w << s) & 0x81C081C0`` for s = 0, 3, 6 (the sign at bit 15 of each half,
 #    ``e1 e0 m`` at bits 8..6), pair 3 takes three shifts and three logic ops;
 #  * the bf16 read that way is the E2M1 value times 2^-126 (exponent field e1 e0; e1 e0 = 0 is a
@@ -160,13 +160,6 @@ def decode_repacked(t, scale_bytes, BN: tl.constexpr, BKH: tl.constexpr, DOT_DTY
         even = ((ev * 16384.0) * sc).to(DOT_DTYPE)  # (2^14 undoes the decode's 2^-14: exact)
         odd = ((od * 16384.0) * sc).to(DOT_DTYPE)
     return even, odd
-
-
-@triton.jit
-def load_decode_repacked(w_g, gvalid, q0, NQ: tl.constexpr, scale_bytes, BN: tl.constexpr, BKH: tl.constexpr,
-                         DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
-    """``decode_repacked`` of ``load_repacked``: one K step's MMA operands ``(even, odd)``."""
-    return decode_repacked(load_repacked(w_g, gvalid, q0, NQ, BN, BKH), scale_bytes, BN, BKH, DOT_DTYPE, PTX, FOLD)
 
 
 @triton.jit

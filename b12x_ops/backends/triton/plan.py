@@ -49,8 +49,8 @@ class Config:
     warps2: int
     stages2: int
     atomic: bool  # reduce into an fp32 accumulator with atomics (else per-slot rows, deterministic)
-    # the small-M path: gemv1/gemv2, one slot a program (bm is then 1, and
-    # bn1/bk1/warps1/stages1, bn2/bk2/warps2/stages2 are the two GEMV kernels' tiles)
+    # the small-M path, gemv1/gemv2 (bm is then 1, and bn1/bk1/warps1/stages1, bn2/bk2/warps2/stages2
+    # are the two GEMV kernels' tiles)
     gemv: bool = False
     # the GEMV path only: programs that share one slot's K steps (gemv1) and one token's slots, or
     # above top_k its slots' N steps (gemv2), their sums added by the last to finish
@@ -135,6 +135,12 @@ _GEMV1_PROGRAMS = 2400
 _GEMV2_PROGRAMS = 600
 
 
+def _parts(steps: int, parts: int) -> int:
+    """``parts`` lowered to the count of runs of ``ceil(steps / parts)`` steps it really makes (the
+    kernels cut whole runs: 25 steps in 6 parts are 5 runs of 5, a sixth would have none)."""
+    return -(-steps // -(-steps // parts))
+
+
 def _steps_stages(per: int) -> int:
     """Pipeline stages for a program of ``per`` K steps (1: no pipeline, all its loads at once)."""
     return 1 if per == 1 else min(per, 3)
@@ -173,12 +179,10 @@ def gemv_config(tokens: int, geometry) -> Config:
     g = geometry
     slots = tokens * g.top_k
     steps1 = -(-g.hidden_size // 256)
-    split1 = min(steps1, -(-_GEMV1_PROGRAMS // (slots * -(-g.intermediate_size // 64))))
-    per1 = -(-steps1 // split1)
+    split1 = _parts(steps1, min(steps1, -(-_GEMV1_PROGRAMS // (slots * -(-g.intermediate_size // 64)))))
     steps2 = -(-g.intermediate_size // 128)
-    runs = max(1, min((steps2 + 2) // 4, _GEMV2_PROGRAMS // (slots * -(-g.hidden_size // 64))))
-    runs = -(-steps2 // -(-steps2 // runs))  # (no empty run: 25 steps in 6 runs of 5 would leave one)
-    g1 = (64, 256, 4, _steps_stages(per1), -(-steps1 // per1))
+    runs = _parts(steps2, max(1, min((steps2 + 2) // 4, _GEMV2_PROGRAMS // (slots * -(-g.hidden_size // 64)))))
+    g1 = (64, 256, 4, _steps_stages(-(-steps1 // split1)), split1)
     g2 = (64, 128, 4, 3, g.top_k * runs)
     return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
