@@ -1,12 +1,13 @@
 """Tile sweep of the blocked path's GEMMs on a CUDA GPU.
 
     python benchmarks/sweep_blocked.py [--geometries ...] [--sizes ...] [--layers 3] [--budget 300]
+        [--g1 BN,BK,WARPS,STAGES ...] [--g2 ...] [--bm ...]
 
 For every geometry and M, the whole op (four launches) is timed as CUDA-graph replay over
 ``--layers`` layers' handles for each candidate configuration: the default (with the inline-PTX
 decode and without it), then per block size every GEMM1
 tile with the default GEMM2 tile and
-every GEMM2 tile with the best GEMM1 tile. Each configuration's output is checked against the
+every GEMM2 tile with the best GEMM1 tile (``--g1``/``--g2``/``--bm`` replace the lists). Each configuration's output is checked against the
 reference first. Prints a table per geometry (and writes it to ``--out``); stops cleanly when
 ``--budget`` seconds have passed. This is how the defaults in ``plan._REGIMES`` were chosen
 (``results/sweep_blocked.md`` was made when the row-major GEMMs still existed: its R rows).
@@ -61,7 +62,13 @@ def main(argv=None):
     ap.add_argument("--out", default="sweep_blocked.md")
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ whose blocked GEMMs replace the package's (bench_moe.py --variant)")
+    ap.add_argument("--g1", nargs="*", default=None, help="GEMM1 tiles to try, each BN,BK,WARPS,STAGES")
+    ap.add_argument("--g2", nargs="*", default=None, help="GEMM2 tiles to try, each BN,BK,WARPS,STAGES")
+    ap.add_argument("--ptx-only", action="store_true", help="leave out the decode without inline PTX")
+    ap.add_argument("--bm", nargs="*", type=int, default=None, help="block sizes to try (default: by rows an expert)")
     args = ap.parse_args(argv)
+    g1s = [tuple(map(int, t.split(","))) for t in args.g1] if args.g1 else G1
+    g2s = [tuple(map(int, t.split(","))) for t in args.g2] if args.g2 else G2
     variant = load_variant(args.variant)
     t_start = time.perf_counter()
     emit = markdown_log(args.out, f"# Blocked-path tile sweep ({torch.cuda.get_device_name()}); whole op, "
@@ -77,8 +84,9 @@ def main(argv=None):
         hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
                                        max_tokens=max(args.sizes), frozen=False) for lw in layers]
         # the same weights with the Triton-ops decode instead of inline PTX (the transposed GEMMs)
-        hs_np = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
-                                          max_tokens=max(args.sizes), frozen=False, ptx=False) for lw in layers]
+        hs_np = [] if args.ptx_only else [
+            b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
+                                     max_tokens=max(args.sizes), frozen=False, ptx=False) for lw in layers]
         adapt_handles(variant, hs + hs_np)
         ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
         g = hs[0]._state.plans.geometry
@@ -121,19 +129,20 @@ def main(argv=None):
             base_t = P.default_config(M, g, gemv=False)
             if M * top_k <= 2 * P.GEMV_MAX_SLOTS and getattr(variant, "PREPARE_OPTIONS", {}).get("gemv") is not False:
                 trial(P.default_config(M, g, gemv=True))
-            trial(base_t, hs_np, "(no PTX) ")
+            if hs_np:
+                trial(base_t, hs_np, "(no PTX) ")
             trial(base_t)
-            for bm in block_sizes(M, g):
+            for bm in args.bm or block_sizes(M, g):
                 c0 = dataclasses.replace(base_t, bm=bm)
                 best1, bt = None, float("inf")
-                for g1 in G1:
+                for g1 in g1s:
                     c = dataclasses.replace(c0, bn1=g1[0], bk1=g1[1], warps1=g1[2], stages1=g1[3])
                     t = trial(c)
                     if t < bt:
                         best1, bt = c, t
                 if best1 is None:
                     continue
-                for g2 in G2:
+                for g2 in g2s:
                     trial(dataclasses.replace(best1, bn2=g2[0], bk2=g2[1], warps2=g2[2], stages2=g2[3]))
             ok = {c: t for (c, tag), t in results.items() if t < float("inf") and not tag}
             if ok:
