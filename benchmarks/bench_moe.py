@@ -297,7 +297,8 @@ def diagnose(handles, args, E, K, top_k, log):
         b12x_ops.moe_w4a8_out(x, ids, w, handles[0], o)
         nb = M * top_k if cfg.gemv else num_blocks(M * top_k, E, cfg.bm)
         rn = gp.runner(cfg)  # (its tile counts include the GEMV kernels' splits)
-        grids = {"prologue": 1 + -(-M // PROLOGUE["QR"]), "gemm1": nb * rn.n_tiles1,
+        grids = {"prologue": M * rn.xquant_tiles if cfg.gemv else 1 + -(-M // PROLOGUE["QR"]),
+                 "gemm1": nb * rn.n_tiles1,
                  "gemm2": (M if cfg.gemv else nb) * rn.n_tiles2,
                  "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"])}
         stages = {}
@@ -341,7 +342,8 @@ def write_markdown(res, path):
         if g.get("diagnosis"):
             lines += ["Per-stage times of one layer (us; each stage alone, CUDA-graph replay), with grid (programs), "
                       "registers/thread and spills. bm: the blocked path's block rows; GEMV: "
-                      "the small-M path (gemv1, gemv2 in the gemm columns, no prologue or finalize):", "",
+                      "the small-M path (gemv1, gemv2 in the gemm columns; from a few tokens on, x's quantization in the "
+                      "prologue column; no finalize):", "",
                       "| M | bm | active experts | blocks | prologue | gemm1 | gemm2 | finalize |", "|---|---|---|---|---|---|---|---|"]
             for d in g["diagnosis"]:
                 st = d["stages"]

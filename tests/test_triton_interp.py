@@ -190,8 +190,9 @@ def test_interp_gemv_is_chosen_for_small_counts():
     dict(layout="w13", limit=None, global_scales=False),
     dict(layout="w31", limit=3.0, global_scales=True, offset=3),
 ])
-@pytest.mark.parametrize("bk,split", [(64, 1), (128, 1), (64, 2), (64, 3), (128, 3), (64, 6)])
-def test_interp_gemv_stages_match_twins(variant, bk, split):
+@pytest.mark.parametrize("bk,split,xq", [(64, 1, False), (128, 1, False), (64, 2, False), (64, 3, False),
+                                         (128, 3, False), (64, 6, False), (64, 1, True), (64, 3, True), (128, 1, True)])
+def test_interp_gemv_stages_match_twins(variant, bk, split, xq):
     # K=96: a K step of 64 leaves a masked tail; N=96: a BN of 64 leaves a masked N tile
     layer = make_layer(E=5, K=96, N=96, top_k=3, seed=4, **variant)
     x, ids, w = make_batch(layer, 7, seed=3, padding_rows=2)  # foreign and padding slots too
@@ -202,16 +203,20 @@ def test_interp_gemv_stages_match_twins(variant, bk, split):
     # program at split 2, and none for the third at split 3; at bk = 128 one step, for the first
     # program), slots in gemv2 (top-3: 2 + 1 slots, or 1 each; at split 6 one slot and one of its
     # two N steps each)
-    cfg = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True, split1=split, split2=split)
+    cfg = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True, split1=split, split2=split, xq=xq)
     gp.reserve(8, cfg)
-    assert gp.stages(cfg)[0] is None and gp.stages(cfg)[3] is None  # two launches, no routing pass
+    # no routing pass: two launches, or three with x quantized by a launch of its own
+    assert (gp.stages(cfg)[0].fn is K_.xquant_kernel) if xq else gp.stages(cfg)[0] is None
+    assert gp.stages(cfg)[3] is None
     out = torch.full_like(x, float("nan"))
     from b12x_ops.backends.triton import _launch_all
     act = gp.arena.buffers["act"]
     act.fill_(float("nan"))
-    _launch_all(st, cfg, x, ids, w, out, stages=("gemm1", "gemm2"))
+    _launch_all(st, cfg, x, ids, w, out, stages=("prologue", "gemm1", "gemm2"))
     N, top_k = layer.N, layer.top_k
-    xq = quant_dequant_mxfp8(x.float())  # gemv1 quantizes x on the fly: bit-exact with this
+    xq = quant_dequant_mxfp8(x.float())  # gemv1 quantizes x (on the fly or first): bit-exact with this
+    if cfg.xq:
+        assert torch.equal(K_.unsplit(gp.arena.buffers["xq"][: x.numel()].view(x.shape)), xq)
     lid = ids.long() - layer.offset
     lid = torch.where((ids >= 0) & (lid >= 0) & (lid < layer.E), lid, -1)
     g13, g2 = layer.w13_global_scale, layer.w2_global_scale

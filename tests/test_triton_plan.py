@@ -28,7 +28,8 @@ def parts_of(steps: int, split: int) -> list[int]:
 
 
 def check_gemv1(g, tiles):
-    bn, bk, warps, stages, split = tiles
+    bn, bk, warps, stages, split = tiles[:5]
+    assert tiles[5:] in ((), (True,))  # (x quantized by a launch of its own)
     assert bn % 16 == 0 and bk % 64 == 0 and warps in (4, 8) and stages >= 1 and split >= 1
     steps = -(-g.hidden_size // bk)
     parts = parts_of(steps, split)
@@ -66,6 +67,10 @@ def test_gemv_defaults_are_valid_and_among_the_candidates(name, tokens):
     for c in cands:
         check_gemv1(g, c.tiles1())
         check_gemv2(g, c.tiles2())
+    # x is quantized once, by a launch of its own, from a few tokens on; the tuner times both ways
+    assert cfg.xq == (tokens >= P.GEMV_XQ_TOKENS)
+    assert {c.xq for c in cands} == {False, True}
+    assert all(P.Config.of(1, c.tiles1(), c.tiles2(), False, gemv=True) == c for c in cands)
 
 
 def test_gemv_defaults_on_the_benchmark_layers():

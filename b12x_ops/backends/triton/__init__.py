@@ -216,15 +216,17 @@ def _tune_one(state, cap):
         group = [c for c in cands if (c.bm, c.gemv) == (bm, gemv)]
         for c in group:  # (scratch for every candidate: a split's partial sums and counters too)
             gp.reserve(cap, c)
-        # routing for this block size, once (the GEMV path has none)
+        # routing for this block size, once (the GEMV path has none; its x quantization, where a
+        # candidate has one, is timed with its gemv1)
         _launch_all(state, group[0], x, ids, w, out, stages=("prologue",))
+        st1 = ("prologue", "gemm1") if gemv else ("gemm1",)
         t1 = {}
         t2 = {}
         for c in group:
             k1, k2 = c.tiles1(), c.tiles2()
             try:
                 if k1 not in t1:
-                    t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm1",)))
+                    t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=st1))
                 if k2 not in t2:
                     t2[k2] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm2",)))
             except Exception as exc:  # a config the GPU cannot run (shared memory, registers)
@@ -291,11 +293,14 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     m = x.shape[0]
     cfg = rn.cfg
     S = m * state.plans.geometry.top_k
-    if cfg.gemv:  # two launches, no routing pass (see kernels.gemv1_kernel)
+    if cfg.gemv:  # two launches, or three with x quantized first; no routing pass (see kernels.gemv1_kernel)
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
+        if cfg.xq and "prologue" in stages:
+            rn.prologue((m, rn.xquant_tiles, 1), x.view(torch.int16), a["xq"], m, x.stride(0),
+                        int(x.dtype == torch.float16))
         if "gemm1" in stages:
             rn.gemm1((S * rn.n_tiles1, 1, 1),
-                     x.view(torch.int16), ids32, state.w13, state.w13_scale, state.g13, a["act"], a["part1"],
+                     x.view(torch.int16), a["xq"], ids32, state.w13, state.w13_scale, state.g13, a["act"], a["part1"],
                      a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
         if "gemm2" in stages:
             rn.gemm2((m * rn.n_tiles2, 1, 1),

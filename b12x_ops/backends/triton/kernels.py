@@ -17,8 +17,8 @@ A call of the blocked (tensor-core) path is four launches with grids derived fro
 Both GEMMs are computed transposed, ``W[e] tile @ rows^T``: see "Blocked GEMMs" below.
 
 Padding and foreign slots are routed to no block, so they cost no GEMM work; blocks past the
-batch's real ones exit at their first load. The small-M path is two launches, ``gemv1`` and
-``gemv2`` (see there).
+batch's real ones exit at their first load. The small-M path is two or three launches,
+``xquant`` (from a few tokens on), ``gemv1`` and ``gemv2`` (see there).
 """
 
 from __future__ import annotations
@@ -263,6 +263,19 @@ def prologue_kernel(
                 tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32), mask=msk)
 
 
+@_jit(dns=("M", "stride_xm", "x_fp16"), dnsa=("x_ptr",))
+def xquant_kernel(x_ptr, xq_ptr, M, stride_xm, x_fp16, K: tl.constexpr, QK: tl.constexpr):
+    """Program (token, ``QK`` columns): MXFP8 quant-dequant of that piece of x into ``xq`` (split
+    column order), as the prologue's quantizing programs do. The GEMV path's first launch when its
+    config quantizes x once (``Config.xq``) instead of in every gemv1 program."""
+    m = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * QK + tl.arange(0, QK)
+    msk = ks < K
+    raw = tl.load(x_ptr + m * stride_xm + ks, mask=msk, other=0)
+    q = quant_dequant_mxfp8_tile(tl.reshape(half_bits_to_f32(raw, x_fp16), (1, QK)), 1, QK)
+    tl.store(xq_ptr + m * K + split_col(ks), tl.reshape(q, (QK,)), mask=msk)
+
+
 def route_torch(topk_ids, topk_weights, expert_offset, num_experts, bm):
     """Twin of the routing half of ``prologue_kernel``.
 
@@ -442,10 +455,12 @@ def gemm2_kernel(
 
 
 # ---------------------------------------------------------------------------------- small-M GEMV
-# The small-M path is two launches and needs no routing pass: ``gemv1`` runs per (routed slot,
-# N tile, K part) and reads the slot's expert id itself (foreign and padding slots exit at once),
-# quantizes its token's row of x to MXFP8 on the fly and writes the slot's ``dq8(silu(gate) * up)``
-# row (split layout); ``gemv2`` runs per (token, K tile, part), adds the token's slots in slot order
+# The small-M path needs no routing pass: ``gemv1`` runs per (routed slot, N tile, K part) and
+# reads the slot's expert id itself (foreign and padding slots exit at once), quantizes its token's
+# row of x to MXFP8 on the fly (or, with ``Config.xq``, reads it quantized by ``xquant_kernel``, a
+# launch before it: every program of a token then no longer quantizes the same row again, which
+# pays from a few tokens on) and writes the slot's ``dq8(silu(gate) * up)`` row (split layout);
+# ``gemv2`` runs per (token, K tile, part), adds the token's slots in slot order
 # (deterministic, no atomics, no accumulator to zero) and writes the output in its dtype. A
 # program's K steps wait on memory one after another, so the parts (``plan.gemv_config``) give
 # each program few steps, and the last program of a tile to finish adds the parts. Both
@@ -487,15 +502,17 @@ def _column0(v, DOT_DTYPE: tl.constexpr):
 
 @_jit(dns=("S", "stride_xm", "stride_im", "stride_ik", "expert_offset", "x_fp16"), dnsa=("x_ptr", "ids_ptr"))
 def gemv1_kernel(
-    x_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr,
+    x_ptr, xq_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr,
     S, stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    XQ: tl.constexpr = False,
 ):
     """Program (slot b, N tile, K part): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into
     row ``b`` of ``a`` (split layout). ``x`` and the ids come as raw 16-/32-bit views (see
-    ``prologue_kernel``). With ``SPLIT`` > 1 the K steps are split between that many programs
+    ``prologue_kernel``); with ``XQ`` the token's row is read from ``xq`` instead, quantized
+    (``xquant_kernel``). With ``SPLIT`` > 1 the K steps are split between that many programs
     (more programs in flight where slots x tiles are few): each writes its fp32 sums to ``part``,
     and the last to finish (``_last_of_split``) adds them in part order (the same bits whichever
     finishes last) and writes the activations."""
@@ -522,6 +539,11 @@ def gemv1_kernel(
     j = tl.arange(0, NB)  # 32-element block within the step
     r32 = tl.arange(0, 32)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
+    # (XQ: the quantized row as column 0 of the MMA's second operand, loaded as such, as gemv2's
+    # activations)
+    col = tl.arange(0, 16)
+    offs_h = tl.arange(0, BKH)
+    xq_h = xq_ptr + m.to(tl.int64) * K + (32 * (offs_h // 16) + offs_h % 16)[:, None] + 0 * col[None, :]
     # this part's K range: whole steps
     PER: tl.constexpr = ((K + BK - 1) // BK + SPLIT - 1) // SPLIT * BK
     k_lo = part * PER
@@ -538,15 +560,20 @@ def gemv1_kernel(
         # the compiler from hoisting a later load above them)
         tu = load_repacked(up_g, gvalid, k0 // 64, NQ, BN, BKH)
         tg = load_repacked(gate_g, gvalid, k0 // 64, NQ, BN, BKH)
-        # this step of x, quantized to MXFP8 on the fly (a block's maximum within a warp), then
-        # its even and odd elements as column 0 of the MMA's second operand
-        raw = tl.load(x_row + k0 + 32 * j[:, None] + r32[None, :], mask=((k0 + 32 * j) < K)[:, None], other=0)
-        xv = half_bits_to_f32(raw, x_fp16)
-        pow2, inv = mxfp8_block_scale(tl.max(tl.abs(xv), axis=1))
-        xv = mxfp8_apply(xv, pow2[:, None], inv[:, None])
-        xe, xo = tl.split(tl.reshape(xv, (NB, 16, 2)))
-        xe = _column0(tl.reshape(xe, (BKH,)), DOT_DTYPE)
-        xo = _column0(tl.reshape(xo, (BKH,)), DOT_DTYPE)
+        if XQ:
+            xm = ((k0 // 2 + offs_h) < KH)[:, None] & (col == 0)[None, :]
+            xe = tl.load(xq_h + k0, mask=xm, other=0.0).to(DOT_DTYPE)
+            xo = tl.load(xq_h + k0 + 16, mask=xm, other=0.0).to(DOT_DTYPE)
+        else:
+            # this step of x, quantized to MXFP8 on the fly (a block's maximum within a warp),
+            # then its even and odd elements as column 0 of the MMA's second operand
+            raw = tl.load(x_row + k0 + 32 * j[:, None] + r32[None, :], mask=((k0 + 32 * j) < K)[:, None], other=0)
+            xv = half_bits_to_f32(raw, x_fp16)
+            pow2, inv = mxfp8_block_scale(tl.max(tl.abs(xv), axis=1))
+            xv = mxfp8_apply(xv, pow2[:, None], inv[:, None])
+            xe, xo = tl.split(tl.reshape(xv, (NB, 16, 2)))
+            xe = _column0(tl.reshape(xe, (BKH,)), DOT_DTYPE)
+            xo = _column0(tl.reshape(xo, (BKH,)), DOT_DTYPE)
         sm = nvalid[:, None] & ((k0 // 32 + NB + j) < k_hi // 32)[None, :]  # (this part's: k_hi <= K)
         su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
         sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)

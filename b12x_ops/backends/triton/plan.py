@@ -57,13 +57,17 @@ class Config:
     # (``kernels._last_of_split``)
     split1: int = 1
     split2: int = 1
+    # the GEMV path only: x quantized once by a launch before gemv1 (``kernels.xquant_kernel``)
+    # instead of in every gemv1 program
+    xq: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
 
     def tiles1(self) -> tuple:
-        """What GEMM1's kernel is compiled and timed for (the tuner's key)."""
-        return (self.bn1, self.bk1, self.warps1, self.stages1, self.split1)
+        """What GEMM1's kernel is compiled and timed for (the tuner's key; a sixth entry, True,
+        when x comes quantized)."""
+        return (self.bn1, self.bk1, self.warps1, self.stages1, self.split1) + ((True,) if self.xq else ())
 
     def tiles2(self) -> tuple:
         return (self.bn2, self.bk2, self.warps2, self.stages2, self.split2)
@@ -73,7 +77,8 @@ class Config:
         """A config from ``tiles1()``/``tiles2()``-style tuples (4 entries: no split)."""
         s1 = tiles1[4] if len(tiles1) > 4 else 1
         s2 = tiles2[4] if len(tiles2) > 4 else 1
-        return cls(bm, *tiles1[:4], *tiles2[:4], atomic, gemv=gemv, split1=s1, split2=s2)
+        xq = bool(tiles1[5]) if len(tiles1) > 5 else False
+        return cls(bm, *tiles1[:4], *tiles2[:4], atomic, gemv=gemv, split1=s1, split2=s2, xq=xq)
 
 
 # (bm, gemm1 (bn, bk, warps, stages), gemm2 (bn, bk, warps, stages)) by rows per touched expert:
@@ -133,6 +138,10 @@ _GEMV_TILES = ((64, 256), (64, 128), (64, 512))
 _GEMV_STEPS = (1, 2, 4)
 _GEMV1_PROGRAMS = 2400
 _GEMV2_PROGRAMS = 600
+# From this many tokens on, the GEMV path quantizes x in a launch of its own before gemv1 instead of
+# in every gemv1 program (H200, three geometries: 5-8 % faster at M = 4; at M = 1-2 the launch costs
+# about what it saves, within -3 % / +5 %; ``benchmarks/NOTES.md``).
+GEMV_XQ_TOKENS = 3
 
 
 def _parts(steps: int, parts: int) -> int:
@@ -173,16 +182,17 @@ def use_gemv(tokens: int, geometry, mode=None) -> bool:
 
 def gemv_config(tokens: int, geometry) -> Config:
     """The default GEMV tiles (64 rows a program): gemv1 in 256-element steps, its K steps split so
-    that about ``_GEMV1_PROGRAMS`` programs run (one step each at one token); gemv2 in 128-element
-    steps, 3 stages, one slot a program, each slot's N steps split in runs of about 4 while that
-    keeps the programs under ``_GEMV2_PROGRAMS`` (H200 sweep: ``results/sweep_gemv_steps.md``)."""
+    that about ``_GEMV1_PROGRAMS`` programs run (one step each at one token), x quantized by a launch
+    of its own from ``GEMV_XQ_TOKENS`` tokens on; gemv2 in 128-element steps, 3 stages, one slot a
+    program, each slot's N steps split in runs of about 4 while that keeps the programs under
+    ``_GEMV2_PROGRAMS`` (H200 sweep: ``results/sweep_gemv_steps.md``)."""
     g = geometry
     slots = tokens * g.top_k
     steps1 = -(-g.hidden_size // 256)
     split1 = _parts(steps1, min(steps1, -(-_GEMV1_PROGRAMS // (slots * -(-g.intermediate_size // 64)))))
     steps2 = -(-g.intermediate_size // 128)
     runs = _parts(steps2, max(1, min((steps2 + 2) // 4, _GEMV2_PROGRAMS // (slots * -(-g.hidden_size // 64)))))
-    g1 = (64, 256, 4, _steps_stages(-(-steps1 // split1)), split1)
+    g1 = (64, 256, 4, _steps_stages(-(-steps1 // split1)), split1) + ((True,) if tokens >= GEMV_XQ_TOKENS else ())
     g2 = (64, 128, 4, 3, g.top_k * runs)
     return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
@@ -202,6 +212,7 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
     out = []
     if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
         t1, t2 = gemv_candidates(geometry)
+        t1 += [c + (True,) for c in t1]  # (each with x quantized by a launch of its own, too)
         d = gemv_config(tokens, geometry)  # (the default among them)
         t1 += [d.tiles1()] if d.tiles1() not in t1 else []
         t2 += [d.tiles2()] if d.tiles2() not in t2 else []
@@ -292,6 +303,7 @@ class Runner(NamedTuple):
     prologue_rows: int  # rows of x a prologue program quantizes
     finalize_rows: int  # rows a finalize program writes
     num_experts: int
+    xquant_tiles: int  # the GEMV path's xquant programs a token
 
     def blocks(self, slots: int) -> int:
         """Expert blocks a call of ``slots`` routed slots launches (``kernels.num_blocks``)."""
@@ -374,21 +386,26 @@ class GeometryPlans:
         g = self.geometry
         return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1) * cfg.split1,
                       -(-g.hidden_size // cfg.bn2) * cfg.split2,
-                      -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts)
+                      -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts,
+                      -(-g.hidden_size // PROLOGUE["QK"]))
 
     def stages(self, cfg: Config) -> tuple:
-        """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` (the GEMV path: (None, gemv1,
-        gemv2, None))."""
+        """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` (the GEMV path: (xquant or None,
+        gemv1, gemv2, None))."""
         return tuple(self.launch(k, cfg) if k in self.kinds(cfg) else None
                      for k in ("prologue", "gemm1", "gemm2", "finalize"))
 
     @staticmethod
     def kinds(cfg: Config) -> tuple[str, ...]:
-        return ("gemm1", "gemm2") if cfg.gemv else ("prologue", "gemm1", "gemm2", "finalize")
+        if cfg.gemv:
+            return ("prologue", "gemm1", "gemm2") if cfg.xq else ("gemm1", "gemm2")
+        return ("prologue", "gemm1", "gemm2", "finalize")
 
     def launch(self, kind: str, cfg: Config | None) -> Launch:
         g = self.geometry
-        if kind == "prologue":
+        if kind == "prologue" and cfg.gemv:
+            key = ("xquant",)
+        elif kind == "prologue":
             key = (kind, cfg.bm, cfg.atomic)
         elif kind == "gemm1" and cfg.gemv:
             key = ("gemv1",) + cfg.tiles1()
@@ -404,7 +421,9 @@ class GeometryPlans:
         if hit is not None:
             return hit
         common = dict(K=g.hidden_size, TOPK=g.top_k)
-        if kind == "prologue":
+        if kind == "prologue" and cfg.gemv:
+            ln = Launch(K_.xquant_kernel, dict(K=g.hidden_size, QK=PROLOGUE["QK"]), 4, 1)
+        elif kind == "prologue":
             p = PROLOGUE
             ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, CH=p["CH"],
                                                  BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic),
@@ -414,7 +433,7 @@ class GeometryPlans:
                                               UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
                                               BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
-                                              FOLD=self.fold, SPLIT=cfg.split1),
+                                              FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq),
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gemv:
             ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
@@ -447,8 +466,10 @@ class GeometryPlans:
                          ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32),
                          ("part1", torch.float32), ("part2", torch.float32)):
             a.need(name, 1, dt)
-        if cfg.gemv:  # one activation row a slot, and the split-K sums and counts
+        if cfg.gemv:  # (x quantized,) one activation row a slot, and the split-K sums and counts
             S = cap * g.top_k
+            if cfg.xq:
+                a.need("xq", cap * g.hidden_size, self.act_dtype)
             t1, t2 = S * -(-g.intermediate_size // cfg.bn1), cap * -(-g.hidden_size // cfg.bn2)
             a.need("act", S * g.intermediate_size, self.act_dtype)
             a.need("part1", t1 * cfg.split1 * 2 * cfg.bn1 if cfg.split1 > 1 else 1, torch.float32)
@@ -488,7 +509,7 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 7, gemv, ptx])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 8, gemv, ptx])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
