@@ -281,9 +281,9 @@ def diagnose(handles, args, E, K, top_k, log):
     """Per-stage times (one layer, each stage alone replayed from a CUDA graph) and each stage
     kernel's registers, spills, shared memory and grid, for the diagnosis of misses. The GEMV path
     has two stages (gemv1, gemv2: reported as gemm1, gemm2)."""
-    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import _launch
     from b12x_ops.backends.triton.kernels import num_blocks
-    from b12x_ops.backends.triton.plan import FINALIZE, PROLOGUE
+    from b12x_ops.backends.triton.plan import FINALIZE
 
     st = handles[0]._state
     gp = st.plans
@@ -296,18 +296,19 @@ def diagnose(handles, args, E, K, top_k, log):
         _, cfg = gp.plan_for(M)
         b12x_ops.moe_w4a8_out(x, ids, w, handles[0], o)
         nb = M * top_k if cfg.gemv else num_blocks(M * top_k, E, cfg.bm)
-        rn = gp.runner(cfg)  # (its tile counts include the GEMV kernels' splits)
-        grids = {"prologue": M * rn.xquant_tiles if cfg.gemv else 1 + -(-M // PROLOGUE["QR"]),
+        rn = gp.runner_for(M)  # what the op launches (its tile counts include the GEMV kernels' splits)
+        grids = {"prologue": M * rn.xquant_tiles if cfg.gemv else rn.prologue_programs(M, top_k),
                  "gemm1": nb * rn.n_tiles1,
                  "gemm2": (M if cfg.gemv else nb) * rn.n_tiles2,
                  "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"])}
         stages = {}
         for s_ in gp.kinds(cfg):
-            t = graph_time([lambda s_=s_: _launch_all(st, cfg, x, ids, w, o, stages=(s_,))], 10) * 1e6
-            ck = gp.launch(s_, cfg).compiled
+            ln = rn[1 + ("prologue", "gemm1", "gemm2", "finalize").index(s_)]
+            t = graph_time([lambda s_=s_: _launch(st, rn, x, ids, w, o, (s_,))], 10) * 1e6
+            ck = ln.compiled
             stages[s_] = dict(us=t, programs=grids[s_], regs=getattr(ck, "n_regs", None),
                               spills=getattr(ck, "n_spills", None), shared=getattr(ck.metadata, "shared", None),
-                              warps=gp.launch(s_, cfg).num_warps)
+                              warps=ln.num_warps)
         active = int(torch.unique(ids).numel())
         log(f"  diag M={M} cfg={cfg} active experts={active} nblocks={nb}: " +
             "; ".join(f"{k} {v['us']:.1f}us grid={v['programs']} regs={v['regs']} spills={v['spills']} "

@@ -33,7 +33,7 @@ from b12x_ops.backends.triton import plan as P  # noqa: E402
 
 # element types of the pointer arguments, by name (what ``_launch`` passes)
 _I16 = {"x_ptr", "wts_in_ptr", "out_ptr"}
-_I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cursor_ptr", "cnt_ptr"}
+_I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cnt_ptr", "key_ptr", "off_ptr"}
 _U8 = {"w_ptr", "s_ptr"}
 _F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr"}
 
@@ -133,7 +133,7 @@ def main(argv=None):
         done = set()
         for M in args.sizes:
             cfg = P.default_config(M, g, gemv)
-            for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg)):
+            for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)):
                 if ln is None or stage not in args.stages or id(ln) in done:
                     continue
                 done.add(id(ln))
@@ -144,7 +144,7 @@ def main(argv=None):
                     res = res.split(" CONSTANT")[0] + f" dyn-smem:{ck.metadata.shared}"
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     res, asyncs = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", ""
-                tiles = {k: v for k, v in ln.constexprs.items() if k.startswith("B")}
+                tiles = {k: v for k, v in ln.constexprs.items() if k.startswith("B") or k in ("RT", "NBT")}
                 print(f"| {name} | {M} | {stage} | {ln.fn.__name__} | {tiles} | {ln.num_warps}/{ln.num_stages} "
                       f"| {res} | {asyncs} |", flush=True)
                 if args.loops and asyncs != "":

@@ -49,7 +49,7 @@ def test_default_launches_compile_for_sm90(offline, name, fold):
     gp.ptx, gp.fold, gp.dot_dtype = True, fold, triton.language.bfloat16  # a GPU prepare's choices
     seen = {}
     for M in (1, 64, 8192):
-        for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(P.default_config(M, g))):
+        for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(P.default_config(M, g), M)):
             if ln is not None and id(ln) not in seen:
                 seen[id(ln)] = (stage, ln, offline.compile_launch(ln, 90))
     kinds = {ck.metadata.name for _, _, ck in seen.values()}

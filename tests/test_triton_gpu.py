@@ -6,6 +6,8 @@ that the real-size geometries check in seconds; it is checked against the b12x o
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -150,6 +152,55 @@ def test_gpu_reduce_overhead_records_and_replays_cuda_graphs():
     assert manager is not None and len(manager.roots) > 0, "inductor recorded no CUDA graph"
     recorded = next(manager.graph_counter)
     assert recorded >= 1
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b", "odd-ep"])
+def test_gpu_routing_matches_twin_in_graph_replays(name):
+    """The prologue alone (no weights needed) at token counts on either side of the one-program
+    bound (``PROLOGUE["RT"]`` slots) and at 8192 tokens, replayed from a CUDA graph with new
+    routing each time (foreign and padding ids, one replay with every slot on one expert): the
+    block table exact, each block's slots as a set, and the counters left at zero."""
+    from b12x_ops.backends.triton import _launch
+    from b12x_ops.backends.triton import kernels as K_
+    from b12x_ops.backends.triton import plan as P
+    from b12x_ops.handle import Geometry
+
+    geo = dict(GEOMETRIES[name])
+    E, K, k, off = geo["E"], geo["K"], geo["top_k"], geo.get("offset", 0)
+    g = Geometry(num_experts=E, hidden_size=K, intermediate_size=geo["N"], top_k=k, w13_layout="w13",
+                 activation="silu", swiglu_limit=None, has_global_scales=False, deterministic=False,
+                 device=torch.device("cuda"))
+    rt = P.PROLOGUE["RT"]
+    layer = make_layer(E=E, K=32, N=32, top_k=k, offset=off)  # (make_batch's shapes only)
+    for M in sorted({1, 16, rt // k, rt // k + 1, 2048, 8192}):
+        gp = P.GeometryPlans(g, True, gemv=False)
+        cfg = P.default_config(M, g, gemv=False)
+        gp.reserve(M, cfg)
+        st = types.SimpleNamespace(plans=gp, expert_offset=off)
+        batches = [make_batch(layer, M, seed=s, padding_rows=M // 5) for s in range(3)]
+        batches[2][1][:, :] = off + E - 1
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        ids = batches[0][1].to(torch.int32).cuda()
+        w = batches[0][2].cuda()
+        out = torch.empty_like(x)
+        _launch(st, gp.runner(cfg, M), x, ids, w, out, ("prologue",))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _launch(st, gp.runner(cfg, M), x, ids, w, out, ("prologue",))
+        a = gp.arena.buffers
+        S, bm = M * k, cfg.bm
+        nb = K_.num_blocks(S, E, bm)
+        for _, ids_c, w_c in batches:
+            ids.copy_(ids_c)
+            w.copy_(w_c)
+            graph.replay()
+            torch.cuda.synchronize()
+            lid, wts, srt, be, br = K_.route_torch(ids_c, w_c, off, E, bm)
+            assert torch.equal(a["lid"][:S].cpu(), lid) and torch.equal(a["wts"][:S].cpu(), wts), M
+            assert torch.equal(a["blk_expert"][:nb].cpu(), be) and torch.equal(a["blk_rows"][:nb].cpu(), br), M
+            assert torch.equal(K_.routed_pairs(a["sorted"].cpu(), be, br, bm), K_.routed_pairs(srt, be, br, bm)), M
+            assert not a["route_cnt"].any(), M
 
 
 def test_gpu_prepare_shares_plans_and_scratch():

@@ -133,20 +133,24 @@ def test_interp_repacked_decode_with_scales_is_exact(lo, hi):
     assert torch.equal(ev, want[:, 0::2]) and torch.equal(od, want[:, 1::2])
 
 
-@inner
-@pytest.mark.parametrize("name", ["compact", "padding", "foreign_ep", "odd_sizes", "int64_bf16w", "strided"])
-@pytest.mark.parametrize("bm", [16, 32])
-def test_interp_routing_matches_twin(name, bm):
-    layer, (x, ids, w) = case(name)
-    h = layer.prepare(backend="triton", max_tokens=64)
+def _check_routing(layer, x, ids, w, bm, rt=None, nbt=None, sch=None):
+    """The prologue of a blocked config of ``bm`` rows alone (its tiles replaced where given:
+    small ones reach the many-program path and the loops at interpreter sizes), against
+    ``route_torch``; the kernel's counters are left at zero."""
+    from b12x_ops.backends.triton import _launch
+    h = layer.prepare(backend="triton", max_tokens=max(64, x.shape[0]))
     st = h._state
     gp = st.plans
     cfg = gp.configs[gp.plan_for(x.shape[0])[0]]
     cfg = type(cfg)(**dict(cfg.as_dict(), bm=bm, gemv=False))
-    gp.reserve(64, cfg)
-    out = torch.empty_like(x)
-    from b12x_ops.backends.triton import _launch_all
-    _launch_all(st, cfg, x, ids, w, out, stages=("prologue",))
+    gp.reserve(max(64, x.shape[0]), cfg)
+    rn = gp.runner(cfg, x.shape[0])
+    ln = rn.prologue
+    tiles = {k: v for k, v in dict(RT=rt, NBT=nbt, SCH=sch).items() if v is not None}
+    if tiles:
+        ln = P.Launch(ln.fn, dict(ln.constexprs, **tiles), ln.num_warps, ln.num_stages)
+        rn = rn._replace(prologue=ln, route_slots=ln.constexprs["RT"])
+    _launch(st, rn, x, ids, w, torch.empty_like(x), ("prologue",))
     a = gp.arena.buffers
     lid, wts, srt, be, br = K_.route_torch(ids, w, layer.offset, layer.E, bm)
     S = ids.numel()
@@ -155,13 +159,50 @@ def test_interp_routing_matches_twin(name, bm):
     assert torch.equal(a["wts"][:S], wts)
     assert torch.equal(a["blk_expert"][:nb], be)
     assert torch.equal(a["blk_rows"][:nb], br)
-    for b in range(nb):
-        r = int(br[b])
-        got = sorted(a["sorted"][b * bm: b * bm + r].tolist())
-        assert got == sorted(srt[b * bm: b * bm + r].tolist())
+    # each expert's slots as a set (their order, and so their blocks within the expert, is free)
+    assert torch.equal(K_.routed_pairs(a["sorted"], be, br, bm), K_.routed_pairs(srt, be, br, bm))
+    assert not a["route_cnt"].any()  # zero for the next call
+    return a
+
+
+@inner
+@pytest.mark.parametrize("name", ["compact", "padding", "foreign_ep", "odd_sizes", "int64_bf16w", "strided"])
+@pytest.mark.parametrize("bm", [16, 32])
+def test_interp_routing_matches_twin(name, bm):
+    layer, (x, ids, w) = case(name)
+    a = _check_routing(layer, x, ids, w, bm)
     # quantized activations, bit exact (in the split column order the blocked GEMMs read)
     xq = a["xq"][: x.numel()].view(x.shape)
     assert torch.equal(K_.unsplit(xq), quant_dequant_mxfp8(x.float()))
+
+
+# (E, top_k, offset, M, padding rows, skew, RT, NBT, SCH): S = M * top_k on either side of the one-
+# program bound RT, the many-program path with its loops over several steps, E = 384 top-6, EP
+# offsets with foreign ids, padding rows, every slot on one expert (one expert's many blocks)
+ROUTING_SIZES = [
+    (384, 6, 0, 170, 0, False, None, None, None),  # S = 1020 <= RT = 1024: one program
+    (384, 6, 384, 171, 5, False, None, None, None),  # S = 1026: two programs
+    (8, 4, 0, 256, 0, False, None, None, None),  # S = 1024 = RT exactly
+    (8, 4, 3, 257, 3, False, None, None, None),
+    (128, 8, 0, 40, 2, False, 64, 16, 64),  # 5 programs, block table and placement in several steps
+    (384, 6, 100, 90, 7, False, 32, 64, 128),  # 17 programs, E = 384 > the blocks a step
+    (8, 2, 0, 37, 0, True, 16, 16, 32),  # every slot on one expert
+    (5, 3, 7, 33, 4, True, 16, 32, 16),
+    (3, 3, 0, 6, 0, False, 16, 16, 16),  # S = 18: two programs, the second of two slots
+]
+
+
+@inner
+@pytest.mark.parametrize("E, top_k, offset, M, pad, skew, rt, nbt, sch", ROUTING_SIZES)
+@pytest.mark.parametrize("bm", [16, 64])
+def test_interp_routing_sizes_match_twin(E, top_k, offset, M, pad, skew, rt, nbt, sch, bm):
+    layer = make_layer(E=E, K=64, N=32, top_k=top_k, offset=offset)
+    for seed in range(2):  # twice: the second call sees the counters the first left
+        x, ids, w = make_batch(layer, M, seed=seed, padding_rows=pad, id_dtype=torch.int64 if seed else torch.int32)
+        if skew:
+            ids[:, 0] = offset + E - 1
+            ids[: M // 2, 1:] = offset + E - 1
+        _check_routing(layer, x, ids, w, bm, rt, nbt, sch)
 
 
 @inner

@@ -314,10 +314,10 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     if "prologue" in stages:
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         rn.prologue(
-            (1 + -(-m // rn.prologue_rows), 1, 1),
+            (rn.prologue_programs(m, state.plans.geometry.top_k), 1, 1),
             ids32, w16, x.view(torch.int16), xq, a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
-            a["blk_rows"], a["cursor"], m, si0, si1, sw0, sw1, x.stride(0), state.expert_offset, nb, w_kind,
-            int(x.dtype == torch.float16))
+            a["blk_rows"], a["route_cnt"], a["route_key"], a["route_off"], m, si0, si1, sw0, sw1, x.stride(0),
+            state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
     if "gemm1" in stages:
         rn.gemm1(
             (nb * rn.n_tiles1, 1, 1),

@@ -3,10 +3,11 @@
 A call of the blocked (tensor-core) path is four launches with grids derived from shapes only
 (no host sync):
 
-1. ``prologue``: program 0 routes (local ids, slot weights, a per-expert histogram, expert blocks
-   of ``BM`` rows, and the slots scattered into those blocks); every other program quantizes
-   ``QR`` rows of ``x`` to MXFP8 (stored dequantized, exact in bf16, in the split column order)
-   and zeroes their rows of the fp32 accumulator when the reduction uses atomics.
+1. ``prologue``: its first ``cdiv(S, RT)`` programs route the ``S`` slots (local ids, slot
+   weights, a per-expert histogram, expert blocks of ``BM`` rows, and the slots scattered into
+   those blocks: one program from registers up to ``RT`` slots, see "Routing" below); every other
+   program quantizes ``QR`` rows of ``x`` to MXFP8 (stored dequantized, exact in bf16, in the split
+   column order) and zeroes their rows of the fp32 accumulator when the reduction uses atomics.
 2. ``gemm1``: per (expert block, N tile): ``h = dq8(x) @ W13[e]^T`` with the MXFP4 weights decoded
    in registers, the global scale, SwiGLU (+ limit) and the MXFP8 quant-dequant of the result.
 3. ``gemm2``: per (expert block, K tile): ``y = dq8(a) @ W2[e]^T`` times the global scale and the
@@ -196,62 +197,122 @@ def f32_to_half_bits(v, is_fp16):
     return tl.where(is_fp16 != 0, fp, bf).to(tl.int16)
 
 
+# Routing: every routed slot of ours gets a row in its expert's blocks of ``BM`` rows. A tile of
+# ``RT`` slots is one program's; within a tile the rank of a slot among the tile's slots of its
+# expert comes from one register sort of the keys ``expert * RT + slot`` (the sorted position minus
+# the expert's first position), so no per-slot atomics and no global round trip between the
+# histogram and the scatter. Up to ``RT`` slots (``S <= RT``: the decode and small-prefill sizes)
+# program 0 is the whole routing: histogram, expert blocks and scatter, from registers. Above, each
+# of the ``cdiv(S, RT)`` routing programs adds its tile's histogram to the expert counts with one
+# vector of atomics (the old values: the tile's base row in each expert) and stores its slots' rows
+# within their experts, in expert order; the last of them to finish (acquire-release count, as in
+# ``_last_of_split``) reads the counts (resetting them to zero for the next call), writes the
+# block table and places every slot (streaming loads, stores in runs of consecutive rows, no
+# atomics).
+@triton.jit
+def _route_tile(ids_ptr, wts_in_ptr, lid_ptr, wts_ptr, t, S, stride_im, stride_ik, stride_wm, stride_wk,
+                expert_offset, w_kind, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, RT: tl.constexpr):
+    """Tile ``t`` of ``RT`` slots: stores its ``lid`` and ``wts``; returns its per-expert histogram
+    ``[E_PAD]`` (bin ``E`` holds the slots that are not ours) and, in expert order, each slot's
+    ``(sort key expert * RT + slot in the tile, expert, slot, rank among the tile's slots of its
+    expert)`` (expert ``E``: not ours; those sort last)."""
+    loc = tl.arange(0, RT)
+    s = t * RT + loc
+    sm = s < S
+    m = s // TOPK
+    j = s - m * TOPK
+    gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + j * stride_ik, mask=sm, other=-1).to(tl.int64)
+    lid, ours = local_expert(gid, expert_offset, E)
+    ok = sm & ours
+    w = load_weight_raw(wts_in_ptr + m.to(tl.int64) * stride_wm + j * stride_wk, sm, w_kind)
+    tl.store(lid_ptr + s, tl.where(ok, lid, -1).to(tl.int32), mask=sm)
+    tl.store(wts_ptr + s, tl.where(ok, w, 0.0), mask=sm)
+    key = tl.where(ok, lid, E).to(tl.int32)
+    hist = tl.histogram(key, E_PAD)
+    srt = tl.sort(key * RT + loc)  # (distinct keys: the sort is a permutation)
+    e_s = srt // RT
+    first = tl.cumsum(hist, 0) - hist  # each expert's first position in the sorted tile
+    rank = loc - tl.gather(first, e_s, 0)
+    return hist, srt, e_s, t * RT + srt % RT, rank
+
+
+@triton.jit
+def _block_table(counts, nblocks, blk_expert_ptr, blk_rows_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
+                 BM: tl.constexpr, NBT: tl.constexpr):
+    """Expert blocks of ``BM`` rows from the per-expert ``counts`` ``[E_PAD]``: stores
+    ``blk_expert`` (-1 past the real blocks) and ``blk_rows`` for the ``nblocks`` blocks and
+    returns each expert's first block. A block's expert is the number of experts whose blocks end
+    at or before it: a histogram of the block ends and its cumsum, ``NBT`` blocks at a time."""
+    eidx = tl.arange(0, E_PAD)
+    nblk = tl.where(eidx < E, (counts + BM - 1) // BM, 0)
+    blk_end = tl.cumsum(nblk, 0)
+    blk_start = blk_end - nblk
+    for b0 in range(0, nblocks, NBT):
+        b = b0 + tl.arange(0, NBT)
+        v = blk_end - b0
+        inside = (v >= 0) & (v < NBT)
+        ex = tl.sum((v < 0).to(tl.int32), 0) + tl.cumsum(tl.histogram(tl.where(inside, v, 0), NBT, mask=inside), 0)
+        exc = tl.minimum(ex, E_PAD - 1)
+        used = ex < E
+        rows = tl.minimum(tl.gather(counts, exc, 0) - (b - tl.gather(blk_start, exc, 0)) * BM, BM)
+        tl.store(blk_expert_ptr + b, tl.where(used, ex, -1), mask=b < nblocks)
+        tl.store(blk_rows_ptr + b, tl.where(used, rows, 0), mask=b < nblocks)
+    return blk_start
+
+
 @_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "stride_xm", "expert_offset", "nblocks", "w_kind",
            "x_fp16"),
       dnsa=("ids_ptr", "wts_in_ptr", "x_ptr"))
 def prologue_kernel(
     ids_ptr, wts_in_ptr, x_ptr, xq_ptr, acc_ptr,
-    lid_ptr, wts_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, cursor_ptr,
+    lid_ptr, wts_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, cnt_ptr, key_ptr, off_ptr,
     M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks, w_kind, x_fp16,
     K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
-    CH: tl.constexpr, BCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr, ZERO_ACC: tl.constexpr,
+    RT: tl.constexpr, NBT: tl.constexpr, SCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr,
+    ZERO_ACC: tl.constexpr,
 ):
-    """Program 0 routes; the others quantize rows of x to MXFP8, stored dequantized (exact in the
-    GEMMs' bf16) in the split column order into ``xq``."""
+    """Programs ``0 .. cdiv(S, RT) - 1`` route (see "Routing" above; ``cnt`` holds ``E_PAD`` expert
+    counts and the arrival count, zero between calls; ``key`` and ``off``, ``S`` each, the tiles'
+    sort keys and rows within their experts); the others quantize rows of x to MXFP8, stored
+    dequantized (exact in the GEMMs' bf16) in the split column order into ``xq``. The routing
+    programs come first, so they start first."""
     pid = tl.program_id(0)
-    if pid == 0:
-        # ---- routing, one program: histogram, expert blocks, scatter
-        S = M * TOPK
+    S = M * TOPK
+    R = (S + RT - 1) // RT
+    if pid < R:
+        hist, srt, e_s, slot_s, rank = _route_tile(ids_ptr, wts_in_ptr, lid_ptr, wts_ptr, pid, S, stride_im,
+                                                   stride_ik, stride_wm, stride_wk, expert_offset, w_kind, E, E_PAD,
+                                                   TOPK, RT)
         eidx = tl.arange(0, E_PAD)
-        counts = tl.zeros((E_PAD,), dtype=tl.int32)
-        for c0 in range(0, S, CH):
-            s = c0 + tl.arange(0, CH)
-            sm = s < S
-            m = s // TOPK
-            j = s - m * TOPK
-            gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + j * stride_ik, mask=sm, other=-1).to(tl.int64)
-            lid, ours = local_expert(gid, expert_offset, E)
-            ok = sm & ours
-            w = load_weight_raw(wts_in_ptr + m.to(tl.int64) * stride_wm + j * stride_wk, sm, w_kind)
-            lid32 = tl.where(ok, lid, -1).to(tl.int32)
-            tl.store(lid_ptr + s, lid32, mask=sm)
-            tl.store(wts_ptr + s, tl.where(ok, w, 0.0), mask=sm)
-            counts += tl.histogram(tl.where(ok, lid32, E), E_PAD)
-        nblk = tl.where(eidx < E, (counts + BM - 1) // BM, 0)
-        blk_end = tl.cumsum(nblk, 0)
-        blk_start = blk_end - nblk
-        tl.store(cursor_ptr + eidx, blk_start * BM)
-        for b0 in range(0, nblocks, BCH):
-            b = b0 + tl.arange(0, BCH)
-            ex = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-            used = ex < E
-            onehot = eidx[None, :] == ex[:, None]
-            st = tl.sum(tl.where(onehot, blk_start[None, :], 0), axis=1)
-            cnt = tl.sum(tl.where(onehot, counts[None, :], 0), axis=1)
-            rows = tl.minimum(cnt - (b - st) * BM, BM)
-            tl.store(blk_expert_ptr + b, tl.where(used, ex, -1), mask=b < nblocks)
-            tl.store(blk_rows_ptr + b, tl.where(used, rows, 0), mask=b < nblocks)
-        tl.debug_barrier()
-        for c0 in range(0, S, CH):
-            s = c0 + tl.arange(0, CH)
-            sm = s < S
-            lid = tl.load(lid_ptr + s, mask=sm, other=-1)
-            ok = lid >= 0
-            pos = tl.atomic_add(cursor_ptr + tl.where(ok, lid, 0), 1, mask=ok, sem="relaxed")
-            tl.store(sorted_ptr + pos, s, mask=ok)
+        mine = e_s < E
+        if R == 1:  # the whole batch in this tile: blocks and rows from registers
+            blk_start = _block_table(hist, nblocks, blk_expert_ptr, blk_rows_ptr, E, E_PAD, BM, NBT)
+            tl.store(sorted_ptr + tl.gather(blk_start * BM, e_s, 0) + rank, slot_s, mask=mine)
+        else:
+            # this tile's first row in each expert, then its slots' sort keys and rows within their
+            # experts, in the tile's expert order (coalesced here, and runs of consecutive rows for
+            # the placement: its stores coalesce too); its slots not ours sort last, past S
+            base = tl.atomic_add(cnt_ptr + eidx, hist, mask=(eidx < E) & (hist > 0), sem="relaxed")
+            q = pid * RT + tl.arange(0, RT)
+            tl.store(key_ptr + q, srt, mask=q < S)
+            tl.store(off_ptr + q, tl.gather(base, e_s, 0) + rank, mask=q < S)
+            tl.debug_barrier()  # every thread's stores before the count (the release covers them)
+            done = tl.atomic_add(cnt_ptr + E_PAD, 1, sem="acq_rel")
+            if done == R - 1:
+                counts = tl.atomic_xchg(cnt_ptr + eidx, 0, mask=eidx < E, sem="relaxed")
+                tl.store(cnt_ptr + E_PAD, 0)
+                counts = tl.where(eidx < E, counts, 0)
+                first_row = _block_table(counts, nblocks, blk_expert_ptr, blk_rows_ptr, E, E_PAD, BM, NBT) * BM
+                for c0 in range(0, S, SCH):  # (L2 reads: other programs wrote these)
+                    c = c0 + tl.arange(0, SCH)
+                    key = tl.load(key_ptr + c, mask=c < S, other=E * RT, cache_modifier=".cg")
+                    off = tl.load(off_ptr + c, mask=c < S, other=0, cache_modifier=".cg")
+                    e = key // RT
+                    pos = tl.gather(first_row, tl.minimum(e, E_PAD - 1), 0) + off
+                    tl.store(sorted_ptr + pos, (c // RT) * RT + key % RT, mask=e < E)
     else:
         # ---- MXFP8 quant-dequant of QR rows of x (and zeroing of their accumulator rows)
-        rows = (pid - 1) * QR + tl.arange(0, QR)
+        rows = (pid - R) * QR + tl.arange(0, QR)
         rm = rows < M
         for k0 in range(0, K, QK):
             ks = k0 + tl.arange(0, QK)
@@ -274,6 +335,12 @@ def xquant_kernel(x_ptr, xq_ptr, M, stride_xm, x_fp16, K: tl.constexpr, QK: tl.c
     raw = tl.load(x_ptr + m * stride_xm + ks, mask=msk, other=0)
     q = quant_dequant_mxfp8_tile(tl.reshape(half_bits_to_f32(raw, x_fp16), (1, QK)), 1, QK)
     tl.store(xq_ptr + m * K + split_col(ks), tl.reshape(q, (QK,)), mask=msk)
+
+
+def prologue_programs(tokens: int, top_k: int, rt: int, qr: int) -> int:
+    """Grid of ``prologue_kernel``: ``cdiv(S, rt)`` routing programs, then ``cdiv(tokens, qr)``
+    quantizing ones."""
+    return -(-(tokens * top_k) // rt) + -(-tokens // qr)
 
 
 def route_torch(topk_ids, topk_weights, expert_offset, num_experts, bm):
@@ -304,6 +371,17 @@ def route_torch(topk_ids, topk_weights, expert_offset, num_experts, bm):
             blk_rows[b] = min(bm, int(counts[e]) - i * bm)
         sorted_slots[int(starts[e]) * bm: int(starts[e]) * bm + len(slots)] = slots.to(torch.int32)
     return lid32, wts, sorted_slots, blk_expert, blk_rows
+
+
+def routed_pairs(sorted_slots, blk_expert, blk_rows, bm):
+    """The ``(expert, slot)`` pairs a block table places, as sorted ``expert * 2**32 + slot`` keys
+    (int64): equal for two routings that place the same slots in each expert's blocks, in any
+    order (what the tests compare, given identical block tables)."""
+    nb = blk_expert.numel()
+    rows = sorted_slots[: nb * bm].reshape(nb, bm).to(torch.int64)
+    keep = torch.arange(bm, device=rows.device)[None, :] < blk_rows[:, None]
+    keys = blk_expert.to(torch.int64)[:, None] * (1 << 32) + rows
+    return keys[keep].sort().values
 
 
 # ---------------------------------------------------------------------------------------- twins

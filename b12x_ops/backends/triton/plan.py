@@ -29,10 +29,23 @@ from . import kernels as K_
 log = logging.getLogger("b12x_ops.triton")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-PROLOGUE = dict(CH=1024, BCH=32, QR=4, QK=512, warps=8)
+# The prologue: at most RT slots a routing program (all of them in one program's registers up to
+# RT slots), at most NBT blocks a step of the block table, SCH slots a step of the last routing
+# program's placement; QR rows of x of QK columns a step a quantizing program.
+PROLOGUE = dict(RT=1024, NBT=512, SCH=4096, QR=4, QK=512, warps=8)
 FINALIZE = dict(BR=4, BK=512, warps=4)
 # Deterministic mode keeps one fp32 row per slot; above this many bytes a launch is split in chunks.
 SLOT_BUFFER_BYTES = 256 << 20
+
+
+def route_tiles(slots: int | None, num_experts: int, bm: int) -> tuple[int, int]:
+    """``(RT, NBT)`` of a prologue planned for ``slots`` routed slots (None: any count): the
+    smallest tiles that route them in one program, up to ``PROLOGUE``'s. A routing program's fixed
+    cost (its sort and histograms) grows with its tile: at one gpt-oss token a 1024-slot tile took
+    7.6 us on the H200, a 32-slot one 2.5 (``benchmarks/results/probe_routing.md``)."""
+    rt = PROLOGUE["RT"] if slots is None else min(PROLOGUE["RT"], triton.next_power_of_2(max(32, slots)))
+    nbt = min(PROLOGUE["NBT"], triton.next_power_of_2(-(-rt // bm) + min(num_experts, rt) + 1))
+    return rt, nbt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,9 +314,14 @@ class Runner(NamedTuple):
     n_tiles2: int  # gemm2 programs per block (gemv2: per token): K tiles
     n_tiles_fin: int  # finalize's K tiles
     prologue_rows: int  # rows of x a prologue program quantizes
+    route_slots: int  # slots a routing program of the prologue routes
     finalize_rows: int  # rows a finalize program writes
     num_experts: int
     xquant_tiles: int  # the GEMV path's xquant programs a token
+
+    def prologue_programs(self, tokens: int, top_k: int) -> int:
+        """The prologue's grid (``kernels.prologue_programs``)."""
+        return K_.prologue_programs(tokens, top_k, self.route_slots, self.prologue_rows)
 
     def blocks(self, slots: int) -> int:
         """Expert blocks a call of ``slots`` routed slots launches (``kernels.num_blocks``)."""
@@ -382,17 +400,21 @@ class GeometryPlans:
         return self.runners[self.cap_for(m)]
 
     # ---- prepare
-    def runner(self, cfg: Config) -> Runner:
+    def runner(self, cfg: Config, tokens: int | None = None) -> Runner:
+        """``cfg``'s launches for calls of at most ``tokens`` tokens (None: any count; the
+        prologue's routing tiles depend on it)."""
         g = self.geometry
-        return Runner(cfg, *self.stages(cfg), -(-g.intermediate_size // cfg.bn1) * cfg.split1,
+        stages = self.stages(cfg, tokens)
+        rt = stages[0].constexprs["RT"] if stages[0] is not None and not cfg.gemv else PROLOGUE["RT"]
+        return Runner(cfg, *stages, -(-g.intermediate_size // cfg.bn1) * cfg.split1,
                       -(-g.hidden_size // cfg.bn2) * cfg.split2,
-                      -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], FINALIZE["BR"], g.num_experts,
+                      -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], rt, FINALIZE["BR"], g.num_experts,
                       -(-g.hidden_size // PROLOGUE["QK"]))
 
-    def stages(self, cfg: Config) -> tuple:
-        """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` (the GEMV path: (xquant or None,
-        gemv1, gemv2, None))."""
-        return tuple(self.launch(k, cfg) if k in self.kinds(cfg) else None
+    def stages(self, cfg: Config, tokens: int | None = None) -> tuple:
+        """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` for calls of at most ``tokens``
+        tokens (the GEMV path: (xquant or None, gemv1, gemv2, None))."""
+        return tuple(self.launch(k, cfg, tokens) if k in self.kinds(cfg) else None
                      for k in ("prologue", "gemm1", "gemm2", "finalize"))
 
     @staticmethod
@@ -401,12 +423,13 @@ class GeometryPlans:
             return ("prologue", "gemm1", "gemm2") if cfg.xq else ("gemm1", "gemm2")
         return ("prologue", "gemm1", "gemm2", "finalize")
 
-    def launch(self, kind: str, cfg: Config | None) -> Launch:
+    def launch(self, kind: str, cfg: Config, tokens: int | None = None) -> Launch:
         g = self.geometry
         if kind == "prologue" and cfg.gemv:
             key = ("xquant",)
         elif kind == "prologue":
-            key = (kind, cfg.bm, cfg.atomic)
+            rt, nbt = route_tiles(None if tokens is None else tokens * g.top_k, g.num_experts, cfg.bm)
+            key = (kind, cfg.bm, cfg.atomic, rt, nbt)
         elif kind == "gemm1" and cfg.gemv:
             key = ("gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
@@ -425,8 +448,9 @@ class GeometryPlans:
             ln = Launch(K_.xquant_kernel, dict(K=g.hidden_size, QK=PROLOGUE["QK"]), 4, 1)
         elif kind == "prologue":
             p = PROLOGUE
-            ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, CH=p["CH"],
-                                                 BCH=p["BCH"], QR=p["QR"], QK=p["QK"], ZERO_ACC=cfg.atomic),
+            ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, RT=rt,
+                                                 NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"],
+                                                 ZERO_ACC=cfg.atomic),
                         p["warps"], 1)
         elif kind == "gemm1" and cfg.gemv:
             ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
@@ -462,7 +486,8 @@ class GeometryPlans:
         g = self.geometry
         a = self.arena
         for name, dt in (("xq", self.act_dtype), ("lid", torch.int32), ("wts", torch.float32), ("sorted", torch.int32),
-                         ("blk_expert", torch.int32), ("blk_rows", torch.int32), ("cursor", torch.int32),
+                         ("blk_expert", torch.int32), ("blk_rows", torch.int32), ("route_key", torch.int32),
+                         ("route_off", torch.int32),
                          ("act", self.act_dtype), ("acc", torch.float32), ("slots", torch.float32),
                          ("part1", torch.float32), ("part2", torch.float32)):
             a.need(name, 1, dt)
@@ -486,7 +511,9 @@ class GeometryPlans:
         a.need("sorted", nb * cfg.bm, torch.int32)
         a.need("blk_expert", nb, torch.int32)
         a.need("blk_rows", nb, torch.int32)
-        a.need("cursor", self.e_pad, torch.int32)
+        a.need("route_key", S, torch.int32)
+        a.need("route_off", S, torch.int32)
+        a.need("route_cnt", self.e_pad + 1, torch.int32, zeroed=True)  # (counts and arrivals: the kernel resets them)
         a.need("act", nb * cfg.bm * g.intermediate_size, self.act_dtype)
         if cfg.atomic:
             a.need("acc", tokens * g.hidden_size, torch.float32)
@@ -497,7 +524,7 @@ class GeometryPlans:
         self.configs[cap] = cfg
         self.caps = sorted(self.configs)
         self.reserve(cap, cfg)
-        self.runners[cap] = self.runner(cfg)
+        self.runners[cap] = self.runner(cfg, cap)
 
 
 # ------------------------------------------------------------------------------- tuning cache
