@@ -1,0 +1,72 @@
+"""The whole op at 16-64 tokens with GEMM1/GEMM2 compiled under a register cap (triton's
+``maxnreg``), for more programs an SM; an experiment (no gain on the H200: ``benchmarks/NOTES.md``).
+
+    python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 16,64
+
+Prints, per geometry and M, the time per layer (CUDA-graph replay over 3 layers) for each
+(GEMM1 cap / GEMM2 cap) pair, the registers the kernels got and the error against the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import b12x_ops  # noqa: E402
+from b12x_ops.backends.triton import _launch_all  # noqa: E402
+from b12x_ops.backends.triton import plan as P  # noqa: E402
+from bench_moe import GEOMETRIES, graph_time, layer_batches, random_layer  # noqa: E402
+
+CAP = {}
+_orig = P.Launch.__call__
+def call(self, grid, *args):
+    if self.compiled is None and not self.frozen:
+        name = self.fn.__name__
+        mr = CAP.get(name)
+        kw = {"maxnreg": mr} if mr else {}
+        ck = self.fn[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages, **kw)
+        self.compiled = ck
+        self._run, self._function, self._packed = ck.run, ck.function, ck.packed_metadata
+        return
+    return _orig(self, grid, *args)
+P.Launch.__call__ = call
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+# (the first pair again last: run-to-run noise)
+combos = [(None, None), (80, None), (None, 72), (80, 72), (None, 64), (72, 64), (None, None)]
+for name in sys.argv[1].split(","):
+    geo = GEOMETRIES[name]
+    E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
+    layers = [random_layer(E, K, N, "cuda", 100 + i) for i in range(3)]
+    hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
+                                   max_tokens=64, frozen=False) for lw in layers]
+    ref = b12x_ops.prepare_experts(*layers[0], top_k=top_k, swiglu_limit=limit, backend="reference")
+    for M in map(int, sys.argv[2].split(",")):
+        xs, idss, wss, outs = layer_batches(M, E, K, top_k, 3)
+        want = b12x_ops.moe_w4a8(xs[0], idss[0], wss[0], ref)
+        gp = hs[0]._state.plans
+        cfg = P.default_config(M, gp.geometry, gemv=False)
+        row = []
+        for c1, c2 in combos:
+            CAP.clear(); CAP.update(gemm1_kernel=c1, gemm2_kernel=c2)
+            gp.reserve(M, cfg)
+            for ln in gp.stages(cfg)[1:3]:
+                ln.compiled = None
+            _launch_all(hs[0]._state, cfg, xs[0], idss[0], wss[0], outs[0])
+            err = rel(outs[0], want)
+            calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o)
+                     for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
+            t = graph_time(calls, reps=20) * 1e6
+            regs = "/".join(str(getattr(ln.compiled, "n_regs", "?")) for ln in gp.stages(cfg)[1:3])
+            row.append(f"{c1}/{c2}: {t:.1f} us ({regs}, err {err:.1e})")
+        print(name, M, " | ".join(row), flush=True)
+    del hs, ref, layers
+    torch.cuda.empty_cache()
