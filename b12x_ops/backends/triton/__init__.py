@@ -295,13 +295,13 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     S = m * state.plans.geometry.top_k
     if cfg.gemv:  # two launches, or three with x quantized first; no routing pass (see kernels.gemv1_kernel)
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
+        x16, x_fp16 = x.view(torch.int16), int(x.dtype == torch.float16)
         if cfg.xq and "prologue" in stages:
-            rn.prologue((m, rn.xquant_tiles, 1), x.view(torch.int16), a["xq"], m, x.stride(0),
-                        int(x.dtype == torch.float16))
+            rn.prologue((m, rn.xquant_tiles, 1), x16, a["xq"], m, x.stride(0), x_fp16)
         if "gemm1" in stages:
             rn.gemm1((S * rn.n_tiles1, 1, 1),
-                     x.view(torch.int16), a["xq"], ids32, state.w13, state.w13_scale, state.g13, a["act"], a["part1"],
-                     a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, int(x.dtype == torch.float16), state.limit)
+                     x16, a["xq"], ids32, state.w13, state.w13_scale, state.g13, a["act"], a["part1"],
+                     a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, x_fp16, state.limit)
         if "gemm2" in stages:
             rn.gemm2((m * rn.n_tiles2, 1, 1),
                      a["act"], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
