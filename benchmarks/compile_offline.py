@@ -104,7 +104,7 @@ def compile_launch(launch: P.Launch, arch: int):
     sig, attrs = signature(launch)
     src = ASTSource(launch.fn, sig, dict(launch.constexprs), attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+                          options=dict(launch.options))
 
 
 def main(argv=None):

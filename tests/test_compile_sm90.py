@@ -99,3 +99,31 @@ def test_every_tile_candidate_keeps_the_decode_in_operand_layout(offline, name):
                     ck = offline.compile_launch(ln, 90)
                     _assert_asm_in_operand_layout(ck, (ln.fn.__name__, ln.constexprs, ln.num_warps))
     assert len(seen) >= 10
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_gemv1_fits_four_programs_an_sm(offline, name):
+    """gemv1 quantizing x itself (1-2 tokens) is capped at ``GEMV1_MAXNREG`` registers a thread, so
+    that four of its 4-warp programs fit an SM's 64K registers (uncapped it took 130-160: three).
+    The form that loads x quantized is left uncapped."""
+    import re
+
+    from b12x_ops.backends.triton import plan as P
+
+    g = offline._geometry(GEOMETRIES[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx = gp.fold = True
+    checked = 0
+    for M in (1, 2, 3, 4):
+        cfg = P.default_config(M, g)
+        if not cfg.gemv:
+            continue
+        ln = gp.stages(cfg, M)[1]
+        assert ln.fn.__name__ == "gemv1_kernel"
+        assert ln.options.get("maxnreg") == (None if cfg.xq else P.GEMV1_MAXNREG), (M, ln.options)
+        if not cfg.xq:
+            ck = offline.compile_launch(ln, 90)
+            regs = int(re.search(r"REG:(\d+)", offline.resources(ck.asm["cubin"], "gemv1_kernel")).group(1))
+            assert regs <= P.GEMV1_MAXNREG and 4 * regs * 32 * ln.num_warps <= 65536, (M, regs)
+            checked += 1
+    assert checked >= 1

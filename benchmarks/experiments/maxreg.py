@@ -1,7 +1,11 @@
-"""The whole op at 16-64 tokens with GEMM1/GEMM2 compiled under a register cap (triton's
-``maxnreg``), for more programs an SM; an experiment (no gain on the H200: ``benchmarks/NOTES.md``).
+"""The whole op with its two GEMMs compiled under a register cap (triton's ``maxnreg``), for more
+programs an SM; an experiment (``benchmarks/NOTES.md`` has what it found).
 
     python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 16,64
+    python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 1,2,4 gemv
+
+The first form caps the blocked path's gemm1/gemm2, the second the GEMV path's gemv1/gemv2 (at
+M = 1, 130 registers leave gemv1 three 4-warp programs an SM; 128 would give it four).
 
 Prints, per geometry and M, the time per layer (CUDA-graph replay over 3 layers) for each
 (GEMM1 cap / GEMM2 cap) pair, the registers the kernels got and the error against the reference.
@@ -30,7 +34,8 @@ def call(self, grid, *args):
         name = self.fn.__name__
         mr = CAP.get(name)
         kw = {"maxnreg": mr} if mr else {}
-        ck = self.fn[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages, **kw)
+        opts = {k: v for k, v in self.options.items() if k != "maxnreg"}  # (None: no cap, whatever the default)
+        ck = self.fn[grid](*args, **self.constexprs, **opts, **kw)
         self.compiled = ck
         self._run, self._function, self._packed = ck.run, ck.function, ck.packed_metadata
         return
@@ -40,8 +45,11 @@ P.Launch.__call__ = call
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
+GEMV = len(sys.argv) > 3 and sys.argv[3] == "gemv"
+K1, K2 = ("gemv1_kernel", "gemv2_kernel") if GEMV else ("gemm1_kernel", "gemm2_kernel")
 # (the first pair again last: run-to-run noise)
-combos = [(None, None), (80, None), (None, 72), (80, 72), (None, 64), (72, 64), (None, None)]
+combos = ([(None, None), (128, None), (120, None), (None, 80), (128, 80), (None, 64), (128, 64), (None, None)] if GEMV
+          else [(None, None), (80, None), (None, 72), (80, 72), (None, 64), (72, 64), (None, None)])
 for name in sys.argv[1].split(","):
     geo = GEOMETRIES[name]
     E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
@@ -53,10 +61,10 @@ for name in sys.argv[1].split(","):
         xs, idss, wss, outs = layer_batches(M, E, K, top_k, 3)
         want = b12x_ops.moe_w4a8(xs[0], idss[0], wss[0], ref)
         gp = hs[0]._state.plans
-        cfg = P.default_config(M, gp.geometry, gemv=False)
+        cfg = P.default_config(M, gp.geometry, gemv=GEMV)
         row = []
         for c1, c2 in combos:
-            CAP.clear(); CAP.update(gemm1_kernel=c1, gemm2_kernel=c2)
+            CAP.clear(); CAP.update({K1: c1, K2: c2})
             gp.reserve(M, cfg)
             for ln in gp.stages(cfg)[1:3]:
                 ln.compiled = None
@@ -65,7 +73,8 @@ for name in sys.argv[1].split(","):
             calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o)
                      for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
             t = graph_time(calls, reps=20) * 1e6
-            regs = "/".join(str(getattr(ln.compiled, "n_regs", "?")) for ln in gp.stages(cfg)[1:3])
+            regs = "/".join(f'{getattr(ln.compiled, "n_regs", "?")}r{getattr(ln.compiled, "n_spills", "?")}s'
+                            for ln in gp.stages(cfg)[1:3])
             row.append(f"{c1}/{c2}: {t:.1f} us ({regs}, err {err:.1e})")
         print(name, M, " | ".join(row), flush=True)
     del hs, ref, layers

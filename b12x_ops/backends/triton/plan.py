@@ -155,6 +155,13 @@ _GEMV2_PROGRAMS = 600
 # in every gemv1 program (H200, three geometries: 5-8 % faster at M = 4; at M = 1-2 the launch costs
 # about what it saves, within -3 % / +5 %; ``benchmarks/NOTES.md``).
 GEMV_XQ_TOKENS = 3
+# gemv1 quantizing x itself (fewer than ``GEMV_XQ_TOKENS`` tokens) compiles to 130-160 registers a
+# thread, which leaves an SM three 4-warp programs; capped at 128 it gets four (at 2 tokens with a
+# few spills). H200, whole op (``benchmarks/experiments/maxreg.py ... gemv``): M = 1 gpt-oss 40.2 ->
+# 36.2 us, Qwen3 19.5 -> 18.6, DSv4 24.2 -> 22.7; M = 2 gpt-oss 66.6 -> 64.6, Qwen3 29.2 -> 27.2.
+# With x quantized first (161-165 registers) the cap was slower for gpt-oss (107.7 -> 115.3 at
+# M = 4), so that form is left uncapped.
+GEMV1_MAXNREG = 128
 
 
 def _parts(steps: int, parts: int) -> int:
@@ -247,11 +254,13 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
 class Launch:
     """One stage kernel with fixed compile-time parameters, launched precompiled after prepare."""
 
-    def __init__(self, fn, constexprs: dict[str, Any], num_warps: int, num_stages: int):
+    def __init__(self, fn, constexprs: dict[str, Any], num_warps: int, num_stages: int, maxnreg: int | None = None):
         self.fn = fn
         self.constexprs = constexprs
         self.num_warps = num_warps
         self.num_stages = num_stages
+        # a cap on registers a thread (ptxas ``maxnreg``), for more programs an SM; None: none
+        self.options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
         self.compiled = None
         self.frozen = False
         # every stage kernel declares its constexprs last: a call's full argument list (the launcher
@@ -273,7 +282,7 @@ class Launch:
                 raise RuntimeError(
                     f"b12x_ops triton backend: kernel {self.fn.__name__} {self.constexprs} was not compiled at "
                     f"prepare time and the handle is frozen (an op call never compiles)")
-            ck = self.fn[grid](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+            ck = self.fn[grid](*args, **self.constexprs, **self.options)
             if not INTERPRET:
                 self.compiled = ck
                 self._run, self._function, self._packed = ck.run, ck.function, ck.packed_metadata
@@ -458,7 +467,7 @@ class GeometryPlans:
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
                                               BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
                                               FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq),
-                        cfg.warps1, _stages(cfg.bk1, cfg.stages1))
+                        cfg.warps1, _stages(cfg.bk1, cfg.stages1), None if cfg.xq else GEMV1_MAXNREG)
         elif kind == "gemm2" and cfg.gemv:
             ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                               HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
