@@ -326,11 +326,11 @@ class Runner(NamedTuple):
     route_slots: int  # slots a routing program of the prologue routes
     finalize_rows: int  # rows a finalize program writes
     num_experts: int
-    xquant_tiles: int  # the GEMV path's xquant programs a token
+    xquant_tiles: int  # x's column pieces (QK each) a quantizing program takes one of
 
     def prologue_programs(self, tokens: int, top_k: int) -> int:
         """The prologue's grid (``kernels.prologue_programs``)."""
-        return K_.prologue_programs(tokens, top_k, self.route_slots, self.prologue_rows)
+        return K_.prologue_programs(tokens, top_k, self.route_slots, self.prologue_rows, self.xquant_tiles)
 
     def blocks(self, slots: int) -> int:
         """Expert blocks a call of ``slots`` routed slots launches (``kernels.num_blocks``)."""
