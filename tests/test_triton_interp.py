@@ -133,23 +133,26 @@ def test_interp_repacked_decode_with_scales_is_exact(lo, hi):
     assert torch.equal(ev, want[:, 0::2]) and torch.equal(od, want[:, 1::2])
 
 
-def _check_routing(layer, x, ids, w, bm, rt=None, nbt=None, sch=None):
+def _check_routing(layer, x, ids, w, bm, rt=None, nbt=None, sch=None, qk=None, qs=None, atomic=None):
     """The prologue of a blocked config of ``bm`` rows alone (its tiles replaced where given:
-    small ones reach the many-program path and the loops at interpreter sizes), against
-    ``route_torch``; the kernel's counters are left at zero."""
+    small ones reach the many-program path and the loops at interpreter sizes; ``qk``/``qs`` the
+    quantizing programs' column pieces), against ``route_torch``; the kernel's counters are left
+    at zero."""
     from b12x_ops.backends.triton import _launch
     h = layer.prepare(backend="triton", max_tokens=max(64, x.shape[0]))
     st = h._state
     gp = st.plans
     cfg = gp.configs[gp.plan_for(x.shape[0])[0]]
-    cfg = type(cfg)(**dict(cfg.as_dict(), bm=bm, gemv=False))
+    cfg = type(cfg)(**dict(cfg.as_dict(), bm=bm, gemv=False, **({} if atomic is None else {"atomic": atomic})))
     gp.reserve(max(64, x.shape[0]), cfg)
     rn = gp.runner(cfg, x.shape[0])
     ln = rn.prologue
-    tiles = {k: v for k, v in dict(RT=rt, NBT=nbt, SCH=sch).items() if v is not None}
+    tiles = {k: v for k, v in dict(RT=rt, NBT=nbt, SCH=sch, QK=qk, QS=qs).items() if v is not None}
     if tiles:
         ln = P.Launch(ln.fn, dict(ln.constexprs, **tiles), ln.num_warps, ln.num_stages)
-        rn = rn._replace(prologue=ln, route_slots=ln.constexprs["RT"])
+        kt = -(-layer.K // ln.constexprs["QK"])
+        rn = rn._replace(prologue=ln, route_slots=ln.constexprs["RT"],
+                         prologue_pieces=-(-kt // ln.constexprs["QS"]))
     _launch(st, rn, x, ids, w, torch.empty_like(x), ("prologue",))
     a = gp.arena.buffers
     lid, wts, srt, be, br = K_.route_torch(ids, w, layer.offset, layer.E, bm)
@@ -174,6 +177,32 @@ def test_interp_routing_matches_twin(name, bm):
     # quantized activations, bit exact (in the split column order the blocked GEMMs read)
     xq = a["xq"][: x.numel()].view(x.shape)
     assert torch.equal(K_.unsplit(xq), quant_dequant_mxfp8(x.float()))
+
+
+@inner
+@pytest.mark.parametrize("qs", [1, 2, 3])
+@pytest.mark.parametrize("atomic", [False, True])
+def test_interp_prologue_quantizes_x_in_pieces(qs, atomic):
+    # K = 96 in QK = 32 column pieces: one a program, two (the last program of a row group with one)
+    # or whole rows; 7 tokens in row groups of QR = 4 (a part group). With atomics each quantizing
+    # program also zeroes its piece of the fp32 accumulator.
+    from b12x_ops.backends.triton import plan as P_
+
+    assert P_.quant_pieces(1, 96) == 1 and P_.quant_pieces(None, 96) == -(-96 // P_.PROLOGUE["QK"])
+    assert P_.quant_pieces(P_.PROLOGUE["QR"] * P_.PROLOGUE_WHOLE_ROWS, 5120) == 10
+    layer = make_layer(E=6, K=96, N=32, top_k=2, offset=2)
+    x, ids, w = make_batch(layer, 7, seed=5, padding_rows=1)
+    h = layer.prepare(backend="triton", max_tokens=64)
+    gp = h._state.plans
+    cfg = gp.configs[gp.plan_for(7)[0]]
+    gp.reserve(64, type(cfg)(**dict(cfg.as_dict(), bm=16, gemv=False, atomic=atomic)))  # (as _check_routing)
+    acc = gp.arena.buffers["acc"]
+    acc.fill_(float("nan"))
+    a = _check_routing(layer, x, ids, w, 16, qk=32, qs=qs, atomic=atomic)
+    xq = a["xq"][: x.numel()].view(x.shape)
+    assert torch.equal(K_.unsplit(xq), quant_dequant_mxfp8(x.float()))
+    if atomic:
+        assert acc.numel() >= x.numel() and not a["acc"][: x.numel()].any()
 
 
 # (E, top_k, offset, M, padding rows, skew, RT, NBT, SCH): S = M * top_k on either side of the one-

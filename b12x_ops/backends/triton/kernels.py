@@ -6,7 +6,7 @@ A call of the blocked (tensor-core) path is four launches with grids derived fro
 1. ``prologue``: its first ``cdiv(S, RT)`` programs route the ``S`` slots (local ids, slot
    weights, a per-expert histogram, expert blocks of ``BM`` rows, and the slots scattered into
    those blocks: one program from registers up to ``RT`` slots, see "Routing" below); every other
-   program quantizes ``QR`` rows and ``QK`` columns of ``x`` to MXFP8 (stored dequantized, exact in
+   program quantizes ``QR`` rows and ``QS`` pieces of ``QK`` columns of ``x`` to MXFP8 (stored dequantized, exact in
    bf16, in the split column order) and zeroes that piece of the fp32 accumulator when the
    reduction uses atomics.
 2. ``gemm1``: per (expert block, N tile): ``h = dq8(x) @ W13[e]^T`` with the MXFP4 weights decoded
@@ -270,7 +270,7 @@ def prologue_kernel(
     M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks, w_kind, x_fp16,
     K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
     RT: tl.constexpr, NBT: tl.constexpr, SCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr,
-    ZERO_ACC: tl.constexpr,
+    QS: tl.constexpr, ZERO_ACC: tl.constexpr,
 ):
     """Programs ``0 .. cdiv(S, RT) - 1`` route (see "Routing" above; ``cnt`` holds ``E_PAD`` expert
     counts and the arrival count, zero between calls; ``key`` and ``off``, ``S`` each, the tiles'
@@ -312,20 +312,24 @@ def prologue_kernel(
                     pos = tl.gather(first_row, tl.minimum(e, E_PAD - 1), 0) + off
                     tl.store(sorted_ptr + pos, (c // RT) * RT + key % RT, mask=e < E)
     else:
-        # ---- MXFP8 quant-dequant of QR rows and QK columns of x (and zeroing of their accumulator
-        # rows): one piece a program, so that a few tokens' rows are spread over many programs
-        # (a program walking K = 5120 in 10 steps one after another took 9-11 us)
-        KT: tl.constexpr = (K + QK - 1) // QK
+        # ---- MXFP8 quant-dequant of QR rows and QS pieces of QK columns of x (and zeroing of their
+        # accumulator rows). Few tokens take one piece a program, so that their rows are spread over
+        # many programs (DSv4's K = 5120 walked in 10 steps one after another took 9-11 us); many
+        # tokens take whole rows (QS = cdiv(K, QK)), where more programs only cost more overhead.
+        KP: tl.constexpr = ((K + QK - 1) // QK + QS - 1) // QS  # a row group's programs
         q = pid - R
-        rows = (q // KT) * QR + tl.arange(0, QR)
+        rows = (q // KP) * QR + tl.arange(0, QR)
         rm = rows < M
-        ks = (q % KT) * QK + tl.arange(0, QK)
-        msk = rm[:, None] & (ks < K)[None, :]
-        raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0)
-        xq = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
-        tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + split_col(ks)[None, :], xq, mask=msk)
-        if ZERO_ACC:
-            tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32), mask=msk)
+        c0 = (q % KP) * (QS * QK)
+        for k0 in range(c0, tl.minimum(c0 + QS * QK, K), QK):
+            ks = k0 + tl.arange(0, QK)
+            msk = rm[:, None] & (ks < K)[None, :]
+            raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0)
+            xq = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
+            tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + split_col(ks)[None, :], xq, mask=msk)
+            if ZERO_ACC:
+                tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32),
+                         mask=msk)
 
 
 @_jit(dns=("M", "stride_xm", "x_fp16"), dnsa=("x_ptr",))
@@ -341,10 +345,10 @@ def xquant_kernel(x_ptr, xq_ptr, M, stride_xm, x_fp16, K: tl.constexpr, QK: tl.c
     tl.store(xq_ptr + m * K + split_col(ks), tl.reshape(q, (QK,)), mask=msk)
 
 
-def prologue_programs(tokens: int, top_k: int, rt: int, qr: int, k_tiles: int) -> int:
+def prologue_programs(tokens: int, top_k: int, rt: int, qr: int, pieces: int) -> int:
     """Grid of ``prologue_kernel``: ``cdiv(S, rt)`` routing programs, then ``cdiv(tokens, qr)``
-    times ``k_tiles`` (``cdiv(K, QK)``) quantizing ones."""
-    return -(-(tokens * top_k) // rt) + -(-tokens // qr) * k_tiles
+    times ``pieces`` (a row group's programs, ``cdiv(cdiv(K, QK), QS)``) quantizing ones."""
+    return -(-(tokens * top_k) // rt) + -(-tokens // qr) * pieces
 
 
 def route_torch(topk_ids, topk_weights, expert_offset, num_experts, bm):

@@ -33,6 +33,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # RT slots), at most NBT blocks a step of the block table, SCH slots a step of the last routing
 # program's placement; QR rows of x of QK columns a step a quantizing program.
 PROLOGUE = dict(RT=1024, NBT=512, SCH=4096, QR=4, QK=512, warps=8)
+# A quantizing program of the prologue takes one QK-column piece of its QR rows while the planned
+# token count is under this many row groups, else whole rows (``quant_pieces``).
+PROLOGUE_WHOLE_ROWS = 128
 FINALIZE = dict(BR=4, BK=512, warps=4)
 # Deterministic mode keeps one fp32 row per slot; above this many bytes a launch is split in chunks.
 SLOT_BUFFER_BYTES = 256 << 20
@@ -46,6 +49,18 @@ def route_tiles(slots: int | None, num_experts: int, bm: int) -> tuple[int, int]
     rt = PROLOGUE["RT"] if slots is None else min(PROLOGUE["RT"], triton.next_power_of_2(max(32, slots)))
     nbt = min(PROLOGUE["NBT"], triton.next_power_of_2(-(-rt // bm) + min(num_experts, rt) + 1))
     return rt, nbt
+
+
+def quant_pieces(tokens: int | None, hidden_size: int) -> int:
+    """``QS``, the ``QK``-column pieces of its rows a quantizing program of the prologue planned for
+    ``tokens`` (None: any count) takes. One piece a program at few tokens spreads their rows over
+    many programs (H200: the prologue at 1-64 tokens 4.4-11.4 -> 2.5-8.4 us); at ``QR *
+    PROLOGUE_WHOLE_ROWS`` tokens and more, whole rows (one piece a program was 7-13 % slower
+    there, ``benchmarks/NOTES.md``)."""
+    kt = -(-hidden_size // PROLOGUE["QK"])
+    if tokens is None or -(-tokens // PROLOGUE["QR"]) >= PROLOGUE_WHOLE_ROWS:
+        return kt
+    return 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,11 +341,12 @@ class Runner(NamedTuple):
     route_slots: int  # slots a routing program of the prologue routes
     finalize_rows: int  # rows a finalize program writes
     num_experts: int
-    xquant_tiles: int  # x's column pieces (QK each) a quantizing program takes one of
+    xquant_tiles: int  # the GEMV path's xquant programs a token (x's QK-column pieces)
+    prologue_pieces: int  # the prologue's quantizing programs a row group (cdiv(cdiv(K, QK), QS))
 
     def prologue_programs(self, tokens: int, top_k: int) -> int:
         """The prologue's grid (``kernels.prologue_programs``)."""
-        return K_.prologue_programs(tokens, top_k, self.route_slots, self.prologue_rows, self.xquant_tiles)
+        return K_.prologue_programs(tokens, top_k, self.route_slots, self.prologue_rows, self.prologue_pieces)
 
     def blocks(self, slots: int) -> int:
         """Expert blocks a call of ``slots`` routed slots launches (``kernels.num_blocks``)."""
@@ -414,11 +430,14 @@ class GeometryPlans:
         prologue's routing tiles depend on it)."""
         g = self.geometry
         stages = self.stages(cfg, tokens)
-        rt = stages[0].constexprs["RT"] if stages[0] is not None and not cfg.gemv else PROLOGUE["RT"]
+        blocked = stages[0] is not None and not cfg.gemv
+        rt = stages[0].constexprs["RT"] if blocked else PROLOGUE["RT"]
+        kt = -(-g.hidden_size // PROLOGUE["QK"])
+        qs = stages[0].constexprs["QS"] if blocked else kt
         return Runner(cfg, *stages, -(-g.intermediate_size // cfg.bn1) * cfg.split1,
                       -(-g.hidden_size // cfg.bn2) * cfg.split2,
                       -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], rt, FINALIZE["BR"], g.num_experts,
-                      -(-g.hidden_size // PROLOGUE["QK"]))
+                      kt, -(-kt // qs))
 
     def stages(self, cfg: Config, tokens: int | None = None) -> tuple:
         """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` for calls of at most ``tokens``
@@ -438,7 +457,8 @@ class GeometryPlans:
             key = ("xquant",)
         elif kind == "prologue":
             rt, nbt = route_tiles(None if tokens is None else tokens * g.top_k, g.num_experts, cfg.bm)
-            key = (kind, cfg.bm, cfg.atomic, rt, nbt)
+            qs = quant_pieces(tokens, g.hidden_size)
+            key = (kind, cfg.bm, cfg.atomic, rt, nbt, qs)
         elif kind == "gemm1" and cfg.gemv:
             key = ("gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
@@ -458,7 +478,7 @@ class GeometryPlans:
         elif kind == "prologue":
             p = PROLOGUE
             ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, RT=rt,
-                                                 NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"],
+                                                 NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"], QS=qs,
                                                  ZERO_ACC=cfg.atomic),
                         p["warps"], 1)
         elif kind == "gemm1" and cfg.gemv:
