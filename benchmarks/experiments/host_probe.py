@@ -1,0 +1,106 @@
+"""Where an eager call's host time goes on a GPU machine: per-call microseconds of the op and of
+its pieces, each layer peeled off in turn (an experiment: ``benchmarks/NOTES.md`` says what it found).
+
+    python benchmarks/experiments/host_probe.py [--sizes 1 64] [--calls 10]
+
+Per token count, on a Qwen3-30B-A3B-shaped layer (E = 128, K = 2048, N = 768, top-8): host time
+per call (``--calls`` calls between synchronizations, so the launch queue never fills; median of
+20 such runs) of
+
+* ``op``: ``b12x_ops.moe_w4a8_out`` as an engine calls it (dispatcher, checks, plan, launches);
+* ``op, launches stubbed``: the same with every precompiled launch returning at once;
+* ``backend run``: the backend's ``run`` alone (no dispatcher, no checks);
+* ``launches alone``: the call's launches replayed with their argument lists made beforehand;
+* ``launches, tensors given``: the same through triton's launcher with the tensors themselves
+  (the launcher then calls each one's ``data_ptr()`` and asks the driver about the pointer), as
+  ``Launch.__call__`` did before it passed addresses;
+* ``empty custom op``: an op registered with ``Library.define`` + ``impl`` doing nothing, on the
+  same CUDA tensors (the dispatcher's floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import b12x_ops  # noqa: E402
+from b12x_ops.backends import triton as TB  # noqa: E402
+from b12x_ops.backends.triton import plan as P  # noqa: E402
+from bench_moe import random_layer, routing  # noqa: E402
+
+
+def host_us(fn, calls, runs=20):
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    return sorted(out)[runs // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="*", type=int, default=[1, 64])
+    ap.add_argument("--calls", type=int, default=10)
+    args = ap.parse_args()
+    E, K, N, top_k = 128, 2048, 768, 8
+    h = b12x_ops.prepare_experts(*random_layer(E, K, N, "cuda", 5), top_k=top_k, backend="triton", tune=False,
+                                 max_tokens=max(args.sizes))
+    lib = torch.library.Library("b12x_probe", "DEF")
+    lib.define("empty(Tensor x, Tensor ids, Tensor w, Tensor(a!) out) -> ()")
+    lib.impl("empty", lambda x, ids, w, out: None, "CUDA")
+    empty = torch.ops.b12x_probe.empty.default
+    print(f"torch {torch.__version__}; us per call, host (median of 20 runs of {args.calls} calls)")
+    print("| M | path | op | op, launches stubbed | backend run | launches alone | launches, tensors given | "
+          "empty custom op |")
+    print("|---|---|---|---|---|---|---|---|")
+    for M in args.sizes:
+        _, ids, w = routing(M, E, top_k, "cuda", M)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        st = h._state
+        t_op = host_us(lambda: b12x_ops.moe_w4a8_out(x, ids, w, h, out), args.calls)
+        t_run = host_us(lambda: TB.run(st, x, ids, w, out), args.calls)
+        t_empty = host_us(lambda: empty(x, ids, w, out), args.calls)
+        # the launches with their argument lists captured from one call
+        recorded = []
+        orig = P.Launch.__call__
+
+        def record(self, grid, *a):
+            recorded.append((self, grid, a))
+            return orig(self, grid, *a)
+
+        P.Launch.__call__ = record
+        TB.run(st, x, ids, w, out)
+        P.Launch.__call__ = orig
+        t_launch = host_us(lambda: [ln(g, *a) for ln, g, a in recorded], args.calls)
+
+        def given(ln, g, a):
+            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            ln._run(g[0], g[1], g[2], stream, ln._function, ln._packed, None, None, None, *ln._full_args(a))
+
+        t_given = host_us(lambda: [given(ln, g, a) for ln, g, a in recorded], args.calls)
+        P.Launch.__call__ = lambda self, grid, *a: None
+        try:
+            t_stub = host_us(lambda: b12x_ops.moe_w4a8_out(x, ids, w, h, out), args.calls)
+        finally:
+            P.Launch.__call__ = orig
+        path = "GEMV" if st.plans.runner_for(M).cfg.gemv else "blocked"
+        print(f"| {M} | {path}, {len(recorded)} launches | {t_op:.1f} | {t_stub:.1f} | {t_run:.1f} | {t_launch:.1f} | "
+              f"{t_given:.1f} | {t_empty:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
