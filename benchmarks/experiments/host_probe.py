@@ -11,9 +11,10 @@ per call (``--calls`` calls between synchronizations, so the launch queue never 
 * ``op, launches stubbed``: the same with every precompiled launch returning at once;
 * ``backend run``: the backend's ``run`` alone (no dispatcher, no checks);
 * ``launches alone``: the call's launches replayed with their argument lists made beforehand;
-* ``launches, tensors given``: the same through triton's launcher with the tensors themselves
-  (the launcher then calls each one's ``data_ptr()`` and asks the driver about the pointer), as
-  ``Launch.__call__`` did before it passed addresses;
+* ``launches, addresses given``: the same through triton's launcher with each tensor replaced by
+  its address (given a tensor, the launcher calls its ``data_ptr()`` and asks the driver about
+  the pointer; given an int it takes it as is): no faster on the H200's host, so
+  ``Launch.__call__`` passes the tensors;
 * ``empty custom op``: an op registered with ``Library.define`` + ``impl`` doing nothing, on the
   same CUDA tensors (the dispatcher's floor).
 """
@@ -63,7 +64,7 @@ def main():
     lib.impl("empty", lambda x, ids, w, out: None, "CUDA")
     empty = torch.ops.b12x_probe.empty.default
     print(f"torch {torch.__version__}; us per call, host (median of 20 runs of {args.calls} calls)")
-    print("| M | path | op | op, launches stubbed | backend run | launches alone | launches, tensors given | "
+    print("| M | path | op | op, launches stubbed | backend run | launches alone | launches, addresses given | "
           "empty custom op |")
     print("|---|---|---|---|---|---|---|---|")
     for M in args.sizes:
@@ -89,6 +90,7 @@ def main():
 
         def given(ln, g, a):
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            a = tuple([v.data_ptr() if type(v) is torch.Tensor else v for v in a])
             ln._run(g[0], g[1], g[2], stream, ln._function, ln._packed, None, None, None, *ln._full_args(a))
 
         t_given = host_us(lambda: [given(ln, g, a) for ln, g, a in recorded], args.calls)

@@ -266,9 +266,6 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
     return out
 
 
-_TENSOR = torch.Tensor
-
-
 class Launch:
     """One stage kernel with fixed compile-time parameters, launched precompiled after prepare."""
 
@@ -305,15 +302,10 @@ class Launch:
                 self.compiled = ck
                 self._run, self._function, self._packed = ck.run, ck.function, ck.packed_metadata
             return
-        # Tensors go to triton's launcher as their addresses: given a tensor, the launcher calls its
-        # data_ptr() and asks the driver about the pointer (cuPointerGetAttribute), about 0.5 us
-        # an argument on the H200's host, most of a launch's host time; an int it takes as is.
-        # (Every tensor here was checked to be on the handle's device before the call. A tensor
-        # subclass goes as itself: ``type() is`` is 3x cheaper than ``isinstance`` here.)
-        full = self._full_args(tuple([a.data_ptr() if type(a) is _TENSOR else a for a in args]))
+        full = self._full_args(args)
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
         enter, leave = _hooks()
-        md = ck.launch_metadata(grid, stream, *self._full_args(args)) if enter is not None else None
+        md = ck.launch_metadata(grid, stream, *full) if enter is not None else None
         self._run(grid[0], grid[1], grid[2], stream, self._function, self._packed, md, enter, leave, *full)
 
 
