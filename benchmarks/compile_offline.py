@@ -118,6 +118,7 @@ def main(argv=None):
     ap.add_argument("--gemv", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--stages", nargs="*", default=["prologue", "gemm1", "gemm2", "finalize"])
     ap.add_argument("--loops", action="store_true", help="count each loop body's SASS instructions by kind")
+    ap.add_argument("--pdl", action="store_true", help="as programmatic dependent launches (plan.pdl_supported)")
     args = ap.parse_args(argv)
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]
@@ -127,7 +128,7 @@ def main(argv=None):
     for name in args.geometries:
         geo = GEOMETRIES[name]
         g = _geometry(geo)
-        gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fold=True)
+        gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fold=True, pdl=args.pdl)
         gp.ptx = gp.fold = True  # what a GPU prepare with usual scales (bytes in [2, 128]) chooses
         gp.dot_dtype = triton.language.bfloat16
         done = set()

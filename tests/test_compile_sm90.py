@@ -127,3 +127,34 @@ def test_gemv1_fits_four_programs_an_sm(offline, name):
             assert regs <= P.GEMV1_MAXNREG and 4 * regs * 32 * ln.num_warps <= 65536, (M, regs)
             checked += 1
     assert checked >= 1
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_stage_kernels_wait_for_the_previous_launch_first_under_pdl(offline, pdl):
+    """As programmatic dependent launches, every stage kernel waits for the previous kernel
+    (``griddepcontrol.wait``) before its first memory access and then lets the next one launch;
+    without, neither instruction is there."""
+    import re
+
+    from b12x_ops.backends.triton import plan as P
+
+    g = offline._geometry(GEOMETRIES["qwen3-30b-a3b"])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True, pdl=pdl)
+    gp.ptx = gp.fold = True
+    names = set()
+    for M in (1, 4, 64):
+        for ln in gp.stages(P.default_config(M, g), M):
+            if ln is None:
+                continue
+            ck = offline.compile_launch(ln, 90)
+            ptx = ck.asm["ptx"]
+            names.add(ck.metadata.name)
+            assert bool(ck.metadata.launch_pdl) == pdl
+            assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+            if pdl:  # the wait comes before any global load or store
+                body = ptx[ptx.index("griddepcontrol.wait"):]
+                before = ptx[: ptx.index("griddepcontrol.wait")]
+                assert not re.search(r"\bld\.global|\bst\.global|cp\.async|atom\.", before), ck.metadata.name
+                assert "ld.global" in body or "cp.async" in body
+    assert names == {"xquant_kernel", "gemv1_kernel", "gemv2_kernel", "prologue_kernel", "gemm1_kernel",
+                     "gemm2_kernel", "finalize_kernel"}

@@ -170,6 +170,27 @@ def _jit(*, dns, dnsa=()):
         return triton.jit(do_not_specialize=tuple(dns) + tuple(dnsa))
 
 
+try:  # programmatic dependent launch (sm_90+): triton 3.4 and newer
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - older triton
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """The first statement of every stage kernel. With ``PDL`` (the launch lets the next kernel in
+    the stream start before this one ends): wait until the previous kernel has finished and its
+    writes are visible, before any memory access (so no read of its outputs and no write over its
+    inputs comes early), then let the next kernel launch. The next kernel's programs then take
+    SMs as this one's last programs leave, and wait in their own ``pdl_start``: what overlaps is
+    launch latency and scheduling, never memory traffic."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @triton.jit
 def half_bits_to_f32(raw, is_fp16):
     """fp32 value of 16-bit floats given as int16 bits: fp16 when ``is_fp16`` (a runtime flag), else bf16."""
@@ -270,13 +291,14 @@ def prologue_kernel(
     M, stride_im, stride_ik, stride_wm, stride_wk, stride_xm, expert_offset, nblocks, w_kind, x_fp16,
     K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
     RT: tl.constexpr, NBT: tl.constexpr, SCH: tl.constexpr, QR: tl.constexpr, QK: tl.constexpr,
-    QS: tl.constexpr, ZERO_ACC: tl.constexpr,
+    QS: tl.constexpr, ZERO_ACC: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Programs ``0 .. cdiv(S, RT) - 1`` route (see "Routing" above; ``cnt`` holds ``E_PAD`` expert
     counts and the arrival count, zero between calls; ``key`` and ``off``, ``S`` each, the tiles'
     sort keys and rows within their experts); the others quantize pieces of x to MXFP8, stored
     dequantized (exact in the GEMMs' bf16) in the split column order into ``xq``. The routing
     programs come first, so they start first."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     S = M * TOPK
     R = (S + RT - 1) // RT
@@ -333,10 +355,11 @@ def prologue_kernel(
 
 
 @_jit(dns=("M", "stride_xm", "x_fp16"), dnsa=("x_ptr",))
-def xquant_kernel(x_ptr, xq_ptr, M, stride_xm, x_fp16, K: tl.constexpr, QK: tl.constexpr):
+def xquant_kernel(x_ptr, xq_ptr, M, stride_xm, x_fp16, K: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token, ``QK`` columns): MXFP8 quant-dequant of that piece of x into ``xq`` (split
     column order), as the prologue's quantizing programs do. The GEMV path's first launch when its
     config quantizes x once (``Config.xq``) instead of in every gemv1 program."""
+    pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1) * QK + tl.arange(0, QK)
     msk = ks < K
@@ -454,10 +477,12 @@ def gemm1_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN columns of up and of gate): ``dq8(silu(gate) * up)`` of the
     block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX (``FOLD``:
     in its one-fma form, for scale bytes up to 128)."""
+    pdl_start(PDL)
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
     if e < 0:
         return
@@ -504,11 +529,12 @@ def gemm2_kernel(
     nblocks,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
+    PTX: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
     accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic)."""
+    pdl_start(PDL)
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
@@ -593,7 +619,7 @@ def gemv1_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-    XQ: tl.constexpr = False,
+    XQ: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Program (slot b, N tile, K part): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into
     row ``b`` of ``a`` (split layout). ``x`` and the ids come as raw 16-/32-bit views (see
@@ -602,6 +628,7 @@ def gemv1_kernel(
     (more programs in flight where slots x tiles are few): each writes its fp32 sums to ``part``,
     and the last to finish (``_last_of_split``) adds them in part order (the same bits whichever
     finishes last) and writes the activations."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     b = pid % S
     rest = pid // S
@@ -715,7 +742,7 @@ def gemv2_kernel(
     M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False,
-    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Program (token m, K tile of BN outputs, part): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T``
     over the token's local slots in slot order, rounded once to the output dtype. With ``SPLIT``
@@ -723,6 +750,7 @@ def gemv2_kernel(
     and one of ``SPLIT / TOPK`` runs of its N steps, any other split runs of consecutive slots (some
     of them empty above ``TOPK``). The last program to finish adds the parts' sums in part order
     (``_last_of_split``)."""
+    pdl_start(PDL)
     pid = tl.program_id(0)
     m = pid % M
     rest = pid // M
@@ -781,7 +809,9 @@ def gemv2_torch(a_rows, w2, w2_scale, lids, weights, g2=None):
 def finalize_kernel(
     src_ptr, lid_ptr, out_ptr, M, stride_om, out_fp16,
     K: tl.constexpr, TOPK: tl.constexpr, ATOMIC: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BR + tl.arange(0, BR)

@@ -130,6 +130,21 @@ _REGIMES = (
 )
 
 
+# Programmatic dependent launch: each stage kernel lets the next one launch early and waits for
+# the previous one in its first statement (``kernels.pdl_start``). B12X_OPS_TRITON_PDL=0/1 turns
+# it off/on where the GPU (sm_90+) and triton support it.
+PDL_DEFAULT = False
+
+
+def pdl_supported(device) -> bool:
+    """Whether stage kernels on ``device`` launch as programmatic dependent launches."""
+    env = os.environ.get("B12X_OPS_TRITON_PDL")
+    want = PDL_DEFAULT if env is None else env == "1"
+    if not want or INTERPRET or not K_.HAS_GDC or device is None or torch.device(device).type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _stages(bk: int, stages: int) -> int:
     """Pipeline stages a launch gets: at most 2 for 64-element K steps (see ``_REGIMES``)."""
     return min(stages, 2) if bk <= 64 else stages
@@ -269,13 +284,18 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
 class Launch:
     """One stage kernel with fixed compile-time parameters, launched precompiled after prepare."""
 
-    def __init__(self, fn, constexprs: dict[str, Any], num_warps: int, num_stages: int, maxnreg: int | None = None):
+    def __init__(self, fn, constexprs: dict[str, Any], num_warps: int, num_stages: int, maxnreg: int | None = None,
+                 pdl: bool = False):
         self.fn = fn
+        if "PDL" in fn.arg_names:  # (stage kernels: see kernels.pdl_start)
+            constexprs = dict(constexprs, PDL=bool(pdl))
         self.constexprs = constexprs
         self.num_warps = num_warps
         self.num_stages = num_stages
-        # a cap on registers a thread (ptxas ``maxnreg``), for more programs an SM; None: none
-        self.options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+        # a cap on registers a thread (ptxas ``maxnreg``), for more programs an SM; None: none.
+        # ``pdl``: launched as a programmatic dependent launch (the kernel waits in ``pdl_start``)
+        self.options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+                            **({"launch_pdl": True} if pdl else {}))
         self.compiled = None
         self.frozen = False
         # every stage kernel declares its constexprs last: a call's full argument list (the launcher
@@ -392,7 +412,8 @@ class Arena:
 class GeometryPlans:
     """Configs, compiled launches and the arena shared by every handle of one geometry."""
 
-    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False, fold: bool = False):
+    def __init__(self, geometry, fast_scales: bool, gemv=None, ptx=None, dry: bool = False, fold: bool = False,
+                 pdl=None):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
         # the GEMM and GEMV kernels decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
@@ -409,6 +430,7 @@ class GeometryPlans:
         self.act_dtype = torch.float32 if INTERPRET and not dry else torch.bfloat16
         self.dot_dtype = tl.float32 if INTERPRET else tl.bfloat16
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
+        self.pdl = pdl_supported(g.device) if pdl is None else bool(pdl)
 
     # ---- per call
     def cap_for(self, m: int) -> int:
@@ -508,6 +530,8 @@ class GeometryPlans:
         else:
             f = FINALIZE
             ln = Launch(K_.finalize_kernel, dict(common, ATOMIC=cfg.atomic, BR=f["BR"], BK=f["BK"]), f["warps"], 1)
+        if self.pdl:  # (every stage kernel, as a programmatic dependent launch)
+            ln = Launch(ln.fn, ln.constexprs, ln.num_warps, ln.num_stages, ln.options.get("maxnreg"), pdl=True)
         self.launches[key] = ln
         return ln
 
