@@ -6,9 +6,9 @@ A call of the blocked (tensor-core) path is four launches with grids derived fro
 1. ``prologue``: its first ``cdiv(S, RT)`` programs route the ``S`` slots (local ids, slot
    weights, a per-expert histogram, expert blocks of ``BM`` rows, and the slots scattered into
    those blocks: one program from registers up to ``RT`` slots, see "Routing" below); every other
-   program quantizes ``QR`` rows and ``QS`` pieces of ``QK`` columns of ``x`` to MXFP8 (stored dequantized, exact in
-   bf16, in the split column order) and zeroes that piece of the fp32 accumulator when the
-   reduction uses atomics.
+   program quantizes ``QR`` rows and ``QS`` pieces of ``QK`` columns of ``x`` to MXFP8 (stored
+   dequantized, exact in bf16, in the split column order) and zeroes that piece of the fp32
+   accumulator when the reduction uses atomics.
 2. ``gemm1``: per (expert block, N tile): ``h = dq8(x) @ W13[e]^T`` with the MXFP4 weights decoded
    in registers, the global scale, SwiGLU (+ limit) and the MXFP8 quant-dequant of the result.
 3. ``gemm2``: per (expert block, K tile): ``y = dq8(a) @ W2[e]^T`` times the global scale and the
@@ -334,8 +334,8 @@ def prologue_kernel(
                     pos = tl.gather(first_row, tl.minimum(e, E_PAD - 1), 0) + off
                     tl.store(sorted_ptr + pos, (c // RT) * RT + key % RT, mask=e < E)
     else:
-        # ---- MXFP8 quant-dequant of QR rows and QS pieces of QK columns of x (and zeroing of their
-        # accumulator rows). Few tokens take one piece a program, so that their rows are spread over
+        # ---- MXFP8 quant-dequant of QR rows and QS pieces of QK columns of x (and zeroing of that
+        # piece of the accumulator). Few tokens take one piece a program, so that their rows are spread over
         # many programs (DSv4's K = 5120 walked in 10 steps one after another took 9-11 us); many
         # tokens take whole rows (QS = cdiv(K, QK)), where more programs only cost more overhead.
         KP: tl.constexpr = ((K + QK - 1) // QK + QS - 1) // QS  # a row group's programs

@@ -54,9 +54,9 @@ def route_tiles(slots: int | None, num_experts: int, bm: int) -> tuple[int, int]
 def quant_pieces(tokens: int | None, hidden_size: int) -> int:
     """``QS``, the ``QK``-column pieces of its rows a quantizing program of the prologue planned for
     ``tokens`` (None: any count) takes. One piece a program at few tokens spreads their rows over
-    many programs (H200: the prologue at 1-64 tokens 4.4-11.4 -> 2.5-8.4 us); at ``QR *
-    PROLOGUE_WHOLE_ROWS`` tokens and more, whole rows (one piece a program was 7-13 % slower
-    there, ``benchmarks/NOTES.md``)."""
+    many programs (H200, the prologue alone: DSv4 at 1-16 tokens 9.3-11.4 -> 4.8-5.6 us,
+    ``benchmarks/results/probe_routing.md``); at ``QR * PROLOGUE_WHOLE_ROWS`` tokens and more,
+    whole rows (one piece a program was 7-13 % slower there, ``benchmarks/NOTES.md``)."""
     kt = -(-hidden_size // PROLOGUE["QK"])
     if tokens is None or -(-tokens // PROLOGUE["QR"]) >= PROLOGUE_WHOLE_ROWS:
         return kt
@@ -188,7 +188,7 @@ GEMV_XQ_TOKENS = 3
 # gemv1 quantizing x itself (fewer than ``GEMV_XQ_TOKENS`` tokens) compiles to 130-160 registers a
 # thread, which leaves an SM three 4-warp programs; capped at 128 it gets four (at 2 tokens with a
 # few spills). H200, whole op (``benchmarks/experiments/maxreg.py ... gemv``): M = 1 gpt-oss 40.2 ->
-# 36.2 us, Qwen3 19.5 -> 18.6, DSv4 24.2 -> 22.7; M = 2 gpt-oss 66.6 -> 64.6, Qwen3 29.2 -> 27.2.
+# 36.3 us, Qwen3 19.5 -> 18.6, DSv4 24.2 -> 22.7; M = 2 gpt-oss 66.6 -> 64.6, Qwen3 29.2 -> 27.2.
 # With x quantized first (161-165 registers) the cap was slower for gpt-oss (107.7 -> 115.3 at
 # M = 4), so that form is left uncapped.
 GEMV1_MAXNREG = 128
