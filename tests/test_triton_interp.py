@@ -261,7 +261,8 @@ def test_interp_gemv_is_chosen_for_small_counts():
     dict(layout="w31", limit=3.0, global_scales=True, offset=3),
 ])
 @pytest.mark.parametrize("bk,split,xq", [(64, 1, False), (128, 1, False), (64, 2, False), (64, 3, False),
-                                         (128, 3, False), (64, 6, False), (64, 1, True), (64, 3, True), (128, 1, True)])
+                                         (128, 3, False), (64, 4, False), (64, 6, False), (64, 1, True), (64, 3, True),
+                                         (128, 1, True)])
 def test_interp_gemv_stages_match_twins(variant, bk, split, xq):
     # K=96: a K step of 64 leaves a masked tail; N=96: a BN of 64 leaves a masked N tile
     layer = make_layer(E=5, K=96, N=96, top_k=3, seed=4, **variant)
@@ -271,8 +272,8 @@ def test_interp_gemv_stages_match_twins(variant, bk, split, xq):
     gp = st.plans
     # split: K steps shared by programs in gemv1 (K = 96 at bk = 64: a step and a half, one a
     # program at split 2, and none for the third at split 3; at bk = 128 one step, for the first
-    # program), slots in gemv2 (top-3: 2 + 1 slots, or 1 each; at split 6 one slot and one of its
-    # two N steps each)
+    # program), slots in gemv2 (top-3: 2 + 1 slots, or 1 each; at split 4 one each and a fourth
+    # program with none; at split 6 one slot and one of its two N steps each)
     cfg = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True, split1=split, split2=split, xq=xq)
     gp.reserve(8, cfg)
     # no routing pass: two launches, or three with x quantized by a launch of its own

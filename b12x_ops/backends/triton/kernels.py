@@ -790,7 +790,7 @@ def gemv2_kernel(
     gvalid = (pid_n * BN + 16 * tl.arange(0, BN // 16)) < K
     m64 = m.to(tl.int64)
     total = tl.zeros((BN,), dtype=tl.float32)
-    if PER == 1:  # one slot a program (the split a multiple of TOPK): that slot's code alone
+    if RUNS == TOPK:  # one slot a program (the split a multiple of TOPK): that slot's code alone
         total = _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, run, pid_n, stride_im, stride_ik,
                                  stride_wm, stride_wk, expert_offset, w_kind, gvalid, offs_o, ovalid, n_lo, n_hi,
                                  total, K, N, TOPK, E, HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD)
