@@ -74,13 +74,19 @@ def test_gemv_defaults_are_valid_and_among_the_candidates(name, tokens):
 
 
 def test_gemv_defaults_on_the_benchmark_layers():
-    """The splits the H200 sweeps chose (results/sweep_gemv_steps.md): gpt-oss at one token, one
-    256-element K step a gemv1 program and 3 128-element N steps a gemv2 program; fewer, longer
-    programs as the tokens grow."""
+    """The tiles the H200 sweeps chose (results/sweep_gemv_steps.md, sweep_gemv_defaults.md):
+    gpt-oss at 1-2 tokens one 256-element K step a gemv1 program, at 4 tokens four 128-element
+    steps; gemv2 in 256-element N steps, runs of 4 at one token; fewer, longer programs as the
+    tokens grow."""
     g = geometry(*GEOS["gpt-oss-120b"])
     assert P.gemv_config(1, g).tiles1() == (64, 256, 4, 1, 12)
-    assert P.gemv_config(1, g).tiles2() == (64, 128, 4, 3, 12)
-    assert P.gemv_config(4, g).tiles2() == (64, 128, 4, 3, 4)
+    assert P.gemv_config(2, g).tiles1() == (64, 256, 4, 1, 12)  # (one step a program under 4800 programs)
+    assert P.gemv_config(4, g).tiles1() == (64, 128, 4, 3, 6, True)  # (x quantized first: 4 steps of 128, 3 stages)
+    assert P.gemv_config(1, g).tiles2() == (64, 256, 4, 3, 12)
+    assert P.gemv_config(4, g).tiles2() == (64, 256, 4, 3, 4)
+    # gemv2's 256-element steps only where their masked tail is at most an eighth of N
+    dsv4 = geometry(384, 5120, 576, 6)
+    assert P.gemv_config(1, dsv4).tiles2()[1] == 128 and P.gemv_config(1, g).tiles2()[1] == 256
     split1 = [P.gemv_config(m, g).split1 for m in (1, 2, 3, 4)]
     assert split1 == sorted(split1, reverse=True)
 

@@ -187,7 +187,7 @@ GEMV_MAX_TOKENS = 4
 # ``_GEMV_STEPS`` steps each.
 _GEMV_TILES = ((64, 256), (64, 128), (64, 512))
 _GEMV_STEPS = (1, 2, 4)
-_GEMV1_PROGRAMS = 2400
+_GEMV1_PROGRAMS = 4800
 _GEMV2_PROGRAMS = 600
 # From this many tokens on, the GEMV path quantizes x in a launch of its own before gemv1 instead of
 # in every gemv1 program (H200, three geometries: 5-8 % faster at M = 4; at M = 1-2 the launch costs
@@ -198,7 +198,7 @@ GEMV_XQ_TOKENS = 3
 # few spills). H200, whole op (``benchmarks/experiments/maxreg.py ... gemv``): M = 1 gpt-oss 40.2 ->
 # 36.3 us, Qwen3 19.5 -> 18.6, DSv4 24.2 -> 22.7; M = 2 gpt-oss 66.6 -> 64.6, Qwen3 29.2 -> 27.2.
 # With x quantized first (161-165 registers) the cap was slower for gpt-oss (107.7 -> 115.3 at
-# M = 4), so that form is left uncapped.
+# M = 4), so that form is left uncapped (its 128-element steps since need 66-100 registers).
 GEMV1_MAXNREG = 128
 
 
@@ -239,19 +239,27 @@ def use_gemv(tokens: int, geometry, mode=None) -> bool:
 
 
 def gemv_config(tokens: int, geometry) -> Config:
-    """The default GEMV tiles (64 rows a program): gemv1 in 256-element steps, its K steps split so
-    that about ``_GEMV1_PROGRAMS`` programs run (one step each at one token), x quantized by a launch
-    of its own from ``GEMV_XQ_TOKENS`` tokens on; gemv2 in 128-element steps, 3 stages, one slot a
-    program, each slot's N steps split in runs of about 4 while that keeps the programs under
-    ``_GEMV2_PROGRAMS`` (H200 sweep: ``results/sweep_gemv_steps.md``)."""
+    """The default GEMV tiles (64 rows a program, H200 sweeps ``results/sweep_gemv_steps.md`` and
+    ``results/sweep_gemv_defaults.md``):
+
+    - gemv1 quantizing x itself (below ``GEMV_XQ_TOKENS`` tokens): 256-element K steps, one a
+      program while that keeps the programs under about ``_GEMV1_PROGRAMS``;
+    - gemv1 after x's own quantizing launch: 128-element steps, about 4 a program, 3 stages;
+    - gemv2: one slot a program, 256-element N steps (128 where a 256 step would leave more than an
+      eighth of N as masked tail), 3 stages, each slot's steps split in runs of about 4 while that
+      keeps the programs under ``_GEMV2_PROGRAMS``."""
     g = geometry
     slots = tokens * g.top_k
-    steps1 = -(-g.hidden_size // 256)
-    split1 = _parts(steps1, min(steps1, -(-_GEMV1_PROGRAMS // (slots * -(-g.intermediate_size // 64)))))
-    steps2 = -(-g.intermediate_size // 128)
+    xq = tokens >= GEMV_XQ_TOKENS
+    bk1 = 128 if xq else 256
+    steps1 = -(-g.hidden_size // bk1)
+    cap1 = -(-_GEMV1_PROGRAMS // (slots * -(-g.intermediate_size // 64)))
+    split1 = _parts(steps1, min(-(-steps1 // 4) if xq else steps1, cap1))
+    bk2 = 256 if (-g.intermediate_size) % 256 * 8 <= g.intermediate_size else 128
+    steps2 = -(-g.intermediate_size // bk2)
     runs = _parts(steps2, max(1, min((steps2 + 2) // 4, _GEMV2_PROGRAMS // (slots * -(-g.hidden_size // 64)))))
-    g1 = (64, 256, 4, _steps_stages(-(-steps1 // split1)), split1) + ((True,) if tokens >= GEMV_XQ_TOKENS else ())
-    g2 = (64, 128, 4, 3, g.top_k * runs)
+    g1 = (64, bk1, 4, _steps_stages(-(-steps1 // split1)), split1) + ((True,) if xq else ())
+    g2 = (64, bk2, 4, 3, g.top_k * runs)
     return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
