@@ -734,6 +734,28 @@ def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, n_lo, n_hi, N: tl.const
     return tl.sum(acc, axis=1)
 
 
+@triton.jit
+def _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, jj, pid_n, stride_im, stride_ik, stride_wm,
+                     stride_wk, expert_offset, w_kind, gvalid, offs_o, ovalid, n_lo, n_hi, total,
+                     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr,
+                     FOLD: tl.constexpr):
+    """``total`` plus slot ``jj``'s term of token ``m64`` (``wts * dq8(a) @ W2[e]^T`` over its N
+    steps ``n_lo .. n_hi``), or ``total`` when the slot is padding or another rank's."""
+    NS: tl.constexpr = N // 32
+    NQ: tl.constexpr = (N // 2 + 31) // 32
+    gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
+    e, ours = local_expert(gid, expert_offset, E)
+    if ours:
+        w_g = w_ptr + e * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512)
+        y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_g, gvalid, s_ptr + e * (K * NS), offs_o, ovalid, n_lo,
+                        n_hi, N, BN, BK, DOT_DTYPE, PTX, FOLD)
+        if HAS_GS:
+            y = y * tl.load(gs_ptr + e)
+        total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
+    return total
+
+
 @_jit(dns=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "expert_offset", "w_kind", "stride_om",
            "out_fp16"),
       dnsa=("ids_ptr", "wts_ptr", "out_ptr"))
@@ -758,8 +780,6 @@ def gemv2_kernel(
     pid_n = rest // SPLIT
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
-    NS: tl.constexpr = N // 32
-    NQ: tl.constexpr = (N // 2 + 31) // 32
     KP: tl.constexpr = SPLIT // TOPK if SPLIT % TOPK == 0 else 1  # runs of N steps a slot
     RUNS: tl.constexpr = SPLIT // KP  # runs of slots
     PER: tl.constexpr = (TOPK + RUNS - 1) // RUNS  # slots a run
@@ -770,16 +790,17 @@ def gemv2_kernel(
     gvalid = (pid_n * BN + 16 * tl.arange(0, BN // 16)) < K
     m64 = m.to(tl.int64)
     total = tl.zeros((BN,), dtype=tl.float32)
-    for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
-        gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
-        e, ours = local_expert(gid, expert_offset, E)
-        if ours & (jj // PER == run):
-            w_g = w_ptr + e * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512)
-            y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_g, gvalid, s_ptr + e * (K * NS), offs_o, ovalid, n_lo,
-                            n_hi, N, BN, BK, DOT_DTYPE, PTX, FOLD)
-            if HAS_GS:
-                y = y * tl.load(gs_ptr + e)
-            total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
+    if PER == 1:  # one slot a program (the split a multiple of TOPK): that slot's code alone
+        total = _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, run, pid_n, stride_im, stride_ik,
+                                 stride_wm, stride_wk, expert_offset, w_kind, gvalid, offs_o, ovalid, n_lo, n_hi,
+                                 total, K, N, TOPK, E, HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD)
+    else:
+        for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
+            if jj // PER == run:
+                total = _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, jj, pid_n, stride_im,
+                                         stride_ik, stride_wm, stride_wk, expert_offset, w_kind, gvalid, offs_o,
+                                         ovalid, n_lo, n_hi, total, K, N, TOPK, E, HAS_GS, BN, BK, DOT_DTYPE, PTX,
+                                         FOLD)
     if SPLIT > 1:
         tile = m64 * ((K + BN - 1) // BN) + pid_n
         last, total, _ = _last_of_split(part_ptr + tile * (SPLIT * 2 * BN), cnt_ptr + tile, part, total, total, SPLIT)
