@@ -168,7 +168,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
             c = cached[cap]
             progress.step(f"{cap} tokens -> {'gemv' if c.gemv else f'bm={c.bm}'}")
         P.save_cache(path, P.load_cache(path) | cached, g)
-    return {c: cached[c] for c in caps}
+    return {c: P.fuse_gemv(cached[c]) for c in caps}
 
 
 def _time_ms(fn, reps=5, calls=10):
@@ -296,6 +296,14 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     if cfg.gemv:  # two launches, or three with x quantized first; no routing pass (see kernels.gemv1_kernel)
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         x16, x_fp16 = x.view(torch.int16), int(x.dtype == torch.float16)
+        if cfg.fused:  # one launch (kernels.gemv_fused_kernel)
+            if "gemm1" in stages:
+                rn.gemm1((rn.fused_programs(m, state.plans.geometry.top_k), 1, 1),
+                         x16, ids32, w16, state.w13, state.w13_scale, state.g13, state.w2, state.w2_scale, state.g2,
+                         a["act"], out.view(torch.int16), a["part1"], a["cnt1"], a["part2"], a["cnt2"], a["sync"], m,
+                         x.stride(0), si0, si1, sw0, sw1, state.expert_offset, x_fp16, w_kind, out.stride(0),
+                         int(out.dtype == torch.float16), state.limit)
+            return
         if cfg.xq and "prologue" in stages:
             rn.prologue((m, rn.xquant_tiles, 1), x16, a["xq"], m, x.stride(0), x_fp16)
         if "gemm1" in stages:

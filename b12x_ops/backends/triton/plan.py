@@ -88,6 +88,8 @@ class Config:
     # the GEMV path only: x quantized once by a launch before gemv1 (``kernels.xquant_kernel``)
     # instead of in every gemv1 program
     xq: bool = False
+    # the GEMV path without xq only: gemv1 and gemv2 as one launch (``kernels.gemv_fused_kernel``)
+    fused: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -192,6 +194,17 @@ GEMV_XQ_TOKENS = 3
 # With x quantized first (161-165 registers) the cap was slower for gpt-oss (107.7 -> 115.3 at
 # M = 4), so that form is left uncapped.
 GEMV1_MAXNREG = 128
+# gemv1 and gemv2 in one launch where x is quantized on the fly (``kernels.gemv_fused_kernel``):
+# one launch's host time less a call. Not yet measured on a GPU, so off unless
+# B12X_OPS_TRITON_GEMV_FUSED=1.
+GEMV_FUSED = os.environ.get("B12X_OPS_TRITON_GEMV_FUSED") == "1"
+
+
+def fuse_gemv(cfg: "Config") -> "Config":
+    """``cfg`` with gemv1 and gemv2 in one launch where that applies and ``GEMV_FUSED`` is on."""
+    if GEMV_FUSED and cfg.gemv and not cfg.xq:
+        return dataclasses.replace(cfg, fused=True)
+    return cfg
 
 
 def _parts(steps: int, parts: int) -> int:
@@ -244,7 +257,7 @@ def gemv_config(tokens: int, geometry) -> Config:
     runs = _parts(steps2, max(1, min((steps2 + 2) // 4, _GEMV2_PROGRAMS // (slots * -(-g.hidden_size // 64)))))
     g1 = (64, 256, 4, _steps_stages(-(-steps1 // split1)), split1) + ((True,) if tokens >= GEMV_XQ_TOKENS else ())
     g2 = (64, 128, 4, 3, g.top_k * runs)
-    return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
+    return fuse_gemv(Config.of(1, g1, g2, False, gemv=True))  # (gemv2 sums a token's slots itself: no atomics)
 
 
 def default_config(tokens: int, geometry, gemv=None) -> Config:
@@ -368,6 +381,10 @@ class Runner(NamedTuple):
         """The prologue's grid (``kernels.prologue_programs``)."""
         return K_.prologue_programs(tokens, top_k, self.route_slots, self.prologue_rows, self.prologue_pieces)
 
+    def fused_programs(self, tokens: int, top_k: int) -> int:
+        """The fused GEMV launch's grid (``kernels.gemv_fused_programs``)."""
+        return K_.gemv_fused_programs(tokens, top_k, self.n_tiles1, self.n_tiles2)
+
     def blocks(self, slots: int) -> int:
         """Expert blocks a call of ``slots`` routed slots launches (``kernels.num_blocks``)."""
         return K_.num_blocks(slots, self.num_experts, self.cfg.bm)
@@ -469,6 +486,8 @@ class GeometryPlans:
 
     @staticmethod
     def kinds(cfg: Config) -> tuple[str, ...]:
+        if cfg.fused:  # (one launch: the fused kernel in gemm1's place)
+            return ("gemm1",)
         if cfg.gemv:
             return ("prologue", "gemm1", "gemm2") if cfg.xq else ("gemm1", "gemm2")
         return ("prologue", "gemm1", "gemm2", "finalize")
@@ -481,6 +500,8 @@ class GeometryPlans:
             rt, nbt = route_tiles(None if tokens is None else tokens * g.top_k, g.num_experts, cfg.bm)
             qs = quant_pieces(tokens, g.hidden_size)
             key = (kind, cfg.bm, cfg.atomic, rt, nbt, qs)
+        elif kind == "gemm1" and cfg.fused:
+            key = ("gemv_fused",) + cfg.tiles1() + cfg.tiles2()
         elif kind == "gemm1" and cfg.gemv:
             key = ("gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
@@ -503,18 +524,29 @@ class GeometryPlans:
                                                  NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"], QS=qs,
                                                  ZERO_ACC=cfg.atomic),
                         p["warps"], 1)
+        elif kind == "gemm1" and cfg.fused:
+            ln = Launch(K_.gemv_fused_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
+                                                   UP_FIRST=g.w13_layout == "w13",
+                                                   HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
+                                                   BN1=cfg.bn1, BK1=cfg.bk1, SPLIT1=cfg.split1, BN2=cfg.bn2,
+                                                   BK2=cfg.bk2, SPLIT2=cfg.split2, DOT_DTYPE=self.dot_dtype,
+                                                   PTX=self.ptx, FOLD=self.fold, ST1=_stages(cfg.bk1, cfg.stages1),
+                                                   ST2=_stages(cfg.bk2, cfg.stages2)),
+                        cfg.warps1, max(_stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)),
+                        GEMV1_MAXNREG)
         elif kind == "gemm1" and cfg.gemv:
             ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                               UP_FIRST=g.w13_layout == "w13",
                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
                                               BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
-                                              FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq),
+                                              FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq,
+                                              STAGES=_stages(cfg.bk1, cfg.stages1)),
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1), None if cfg.xq else GEMV1_MAXNREG)
         elif kind == "gemm2" and cfg.gemv:
             ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                               HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
                                               DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold,
-                                              SPLIT=cfg.split2),
+                                              SPLIT=cfg.split2, STAGES=_stages(cfg.bk2, cfg.stages2)),
                         cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         elif kind == "gemm1":
             ln = Launch(K_.gemm1_kernel,
@@ -554,6 +586,8 @@ class GeometryPlans:
             a.need("part2", t2 * cfg.split2 * 2 * cfg.bn2 if cfg.split2 > 1 else 1, torch.float32)
             a.need("cnt1", t1 if cfg.split1 > 1 else 1, torch.int32, zeroed=True)  # (reset by the kernels)
             a.need("cnt2", t2 if cfg.split2 > 1 else 1, torch.int32, zeroed=True)
+            if cfg.fused:  # tickets, finished gemv2 programs, gemv1 programs done a token
+                a.need("sync", 2 + cap, torch.int32, zeroed=True)
             return
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k
