@@ -121,9 +121,20 @@ def cmd_info(args) -> int:
         print(f"auto picks: nothing (no backend can run on {device})")
         return 1
     print(f"auto picks: {chosen}")
+    _print_triton_launch(device)
     if args.geometry:
         _print_memory(args, chosen)
     return 0
+
+
+def _print_triton_launch(device) -> None:
+    """How the Triton backend launches its kernels here (where triton is installed)."""
+    try:
+        from .backends.triton import plan
+    except ImportError:  # no triton: its backend line above says so
+        return
+    on, why = plan.pdl_status(device)
+    print(f"triton programmatic dependent launch: {why}")
 
 
 def _parse_geometry(text: str) -> tuple[int, int, int, int]:

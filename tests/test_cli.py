@@ -57,6 +57,17 @@ def test_info_auto_picks_reference_on_cpu(info):
     _field(info, r"^\s+reference\s+can run$")
 
 
+def test_info_says_how_triton_launches_and_why(info, monkeypatch):
+    # programmatic dependent launch: off by default, and asked for on a machine that cannot do it,
+    # off with the reason
+    line = r"^triton programmatic dependent launch: (.*)$"
+    assert _field(info, line).group(1).startswith("off by default (B12X_OPS_TRITON_PDL=1 turns it on")
+    monkeypatch.setenv("B12X_OPS_TRITON_PDL", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    asked = _cli("info", "--device", "cpu").stdout
+    assert _field(asked, line).group(1) == "off: needs a CUDA device of sm_90 or newer (got cpu)"
+
+
 @pytest.mark.parametrize("backend", ["b12x", "triton"])
 def test_info_says_why_gpu_backends_cannot_run(info, backend):
     reason = _field(info, rf"^\s+{backend}\s+cannot run on cpu: (.+)$").group(1)

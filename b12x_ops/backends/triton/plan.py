@@ -138,13 +138,26 @@ _REGIMES = (
 PDL_DEFAULT = False
 
 
+def pdl_status(device) -> tuple[bool, str]:
+    """Whether stage kernels on ``device`` launch as programmatic dependent launches, and why."""
+    env = os.environ.get("B12X_OPS_TRITON_PDL")
+    if not (PDL_DEFAULT if env is None else env == "1"):
+        return False, "off by default (B12X_OPS_TRITON_PDL=1 turns it on; no faster on the H200)"
+    if INTERPRET:
+        return False, "off: TRITON_INTERPRET=1"
+    if not K_.HAS_GDC:
+        return False, "off: this triton has no griddepcontrol (3.4 and newer do)"
+    if device is None or torch.device(device).type != "cuda":
+        return False, f"off: needs a CUDA device of sm_90 or newer (got {device})"
+    cc = torch.cuda.get_device_capability(device)
+    if cc[0] < 9:
+        return False, f"off: needs sm_90 or newer (got sm_{cc[0]}{cc[1]})"
+    return True, "on (B12X_OPS_TRITON_PDL=1)"
+
+
 def pdl_supported(device) -> bool:
     """Whether stage kernels on ``device`` launch as programmatic dependent launches."""
-    env = os.environ.get("B12X_OPS_TRITON_PDL")
-    want = PDL_DEFAULT if env is None else env == "1"
-    if not want or INTERPRET or not K_.HAS_GDC or device is None or torch.device(device).type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return pdl_status(device)[0]
 
 
 def _stages(bk: int, stages: int) -> int:
