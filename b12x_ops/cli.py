@@ -133,7 +133,7 @@ def _print_triton_launch(device) -> None:
         from .backends.triton import plan
     except ImportError:  # no triton: its backend line above says so
         return
-    on, why = plan.pdl_status(device)
+    _, why = plan.pdl_status(device)
     print(f"triton programmatic dependent launch: {why}")
 
 

@@ -119,7 +119,7 @@ def main(argv=None):
     ap.add_argument("--gemv", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--stages", nargs="*", default=["prologue", "gemm1", "gemm2", "finalize"])
     ap.add_argument("--loops", action="store_true", help="count each loop body's SASS instructions by kind")
-    ap.add_argument("--pdl", action="store_true", help="as programmatic dependent launches (plan.pdl_supported)")
+    ap.add_argument("--pdl", action="store_true", help="as programmatic dependent launches (plan.pdl_status)")
     args = ap.parse_args(argv)
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]

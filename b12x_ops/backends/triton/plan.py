@@ -155,11 +155,6 @@ def pdl_status(device) -> tuple[bool, str]:
     return True, "on (B12X_OPS_TRITON_PDL=1)"
 
 
-def pdl_supported(device) -> bool:
-    """Whether stage kernels on ``device`` launch as programmatic dependent launches."""
-    return pdl_status(device)[0]
-
-
 def _stages(bk: int, stages: int) -> int:
     """Pipeline stages a launch gets: at most 2 for 64-element K steps (see ``_REGIMES``)."""
     return min(stages, 2) if bk <= 64 else stages
@@ -460,7 +455,7 @@ class GeometryPlans:
         self.act_dtype = torch.float32 if INTERPRET and not dry else torch.bfloat16
         self.dot_dtype = tl.float32 if INTERPRET else tl.bfloat16
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
-        self.pdl = pdl_supported(g.device) if pdl is None else bool(pdl)
+        self.pdl = pdl_status(g.device)[0] if pdl is None else bool(pdl)
 
     # ---- per call
     def cap_for(self, m: int) -> int:
@@ -529,54 +524,56 @@ class GeometryPlans:
         if hit is not None:
             return hit
         common = dict(K=g.hidden_size, TOPK=g.top_k)
+
+        def mk(fn, constexprs, num_warps, num_stages, maxnreg=None):  # (every stage kernel: the plans' PDL)
+            return Launch(fn, constexprs, num_warps, num_stages, maxnreg, pdl=self.pdl)
+
         if kind == "prologue" and cfg.gemv:
-            ln = Launch(K_.xquant_kernel, dict(K=g.hidden_size, QK=PROLOGUE["QK"]), 4, 1)
+            ln = mk(K_.xquant_kernel, dict(K=g.hidden_size, QK=PROLOGUE["QK"]), 4, 1)
         elif kind == "prologue":
             p = PROLOGUE
-            ln = Launch(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, RT=rt,
-                                                 NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"], QS=qs,
-                                                 ZERO_ACC=cfg.atomic),
-                        p["warps"], 1)
+            ln = mk(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, RT=rt,
+                                             NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"], QS=qs,
+                                             ZERO_ACC=cfg.atomic),
+                    p["warps"], 1)
         elif kind == "gemm1" and cfg.fused:
-            ln = Launch(K_.gemv_fused_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                                   UP_FIRST=g.w13_layout == "w13",
-                                                   HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                                   BN1=cfg.bn1, BK1=cfg.bk1, SPLIT1=cfg.split1, BN2=cfg.bn2,
-                                                   BK2=cfg.bk2, SPLIT2=cfg.split2, DOT_DTYPE=self.dot_dtype,
-                                                   PTX=self.ptx, FOLD=self.fold, ST1=_stages(cfg.bk1, cfg.stages1),
-                                                   ST2=_stages(cfg.bk2, cfg.stages2)),
-                        cfg.warps1, max(_stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)),
-                        GEMV1_MAXNREG)
+            ln = mk(K_.gemv_fused_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
+                                               UP_FIRST=g.w13_layout == "w13",
+                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
+                                               BN1=cfg.bn1, BK1=cfg.bk1, SPLIT1=cfg.split1, BN2=cfg.bn2,
+                                               BK2=cfg.bk2, SPLIT2=cfg.split2, DOT_DTYPE=self.dot_dtype,
+                                               PTX=self.ptx, FOLD=self.fold, ST1=_stages(cfg.bk1, cfg.stages1),
+                                               ST2=_stages(cfg.bk2, cfg.stages2)),
+                    cfg.warps1, max(_stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)),
+                    GEMV1_MAXNREG)
         elif kind == "gemm1" and cfg.gemv:
-            ln = Launch(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                              UP_FIRST=g.w13_layout == "w13",
-                                              HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                              BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
-                                              FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq,
-                                              STAGES=_stages(cfg.bk1, cfg.stages1)),
-                        cfg.warps1, _stages(cfg.bk1, cfg.stages1), None if cfg.xq else GEMV1_MAXNREG)
+            ln = mk(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
+                                          UP_FIRST=g.w13_layout == "w13",
+                                          HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
+                                          BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
+                                          FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq,
+                                          STAGES=_stages(cfg.bk1, cfg.stages1)),
+                    cfg.warps1, _stages(cfg.bk1, cfg.stages1), None if cfg.xq else GEMV1_MAXNREG)
         elif kind == "gemm2" and cfg.gemv:
-            ln = Launch(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                              HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
-                                              DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold,
-                                              SPLIT=cfg.split2, STAGES=_stages(cfg.bk2, cfg.stages2)),
-                        cfg.warps2, _stages(cfg.bk2, cfg.stages2))
+            ln = mk(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
+                                          HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
+                                          DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold,
+                                          SPLIT=cfg.split2, STAGES=_stages(cfg.bk2, cfg.stages2)),
+                    cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         elif kind == "gemm1":
-            ln = Launch(K_.gemm1_kernel,
-                        dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
-                             HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
-                             BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
-                        cfg.warps1, _stages(cfg.bk1, cfg.stages1))
+            ln = mk(K_.gemm1_kernel,
+                    dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+                         HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
+                         BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
+                    cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
-            ln = Launch(K_.gemm2_kernel,
-                        dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                             BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
-                        cfg.warps2, _stages(cfg.bk2, cfg.stages2))
+            ln = mk(K_.gemm2_kernel,
+                    dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
+                         BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
+                    cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         else:
             f = FINALIZE
-            ln = Launch(K_.finalize_kernel, dict(common, ATOMIC=cfg.atomic, BR=f["BR"], BK=f["BK"]), f["warps"], 1)
-        if self.pdl:  # (every stage kernel, as a programmatic dependent launch)
-            ln = Launch(ln.fn, ln.constexprs, ln.num_warps, ln.num_stages, ln.options.get("maxnreg"), pdl=True)
+            ln = mk(K_.finalize_kernel, dict(common, ATOMIC=cfg.atomic, BR=f["BR"], BK=f["BK"]), f["warps"], 1)
         self.launches[key] = ln
         return ln
 
