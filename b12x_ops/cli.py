@@ -135,6 +135,7 @@ def _print_triton_launch(device) -> None:
         return
     _, why = plan.pdl_status(device)
     print(f"triton programmatic dependent launch: {why}")
+    print(f"triton one-launch GEMV for eager calls: {plan.gemv_fused_status()}")
 
 
 def _parse_geometry(text: str) -> tuple[int, int, int, int]:

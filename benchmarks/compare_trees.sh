@@ -4,7 +4,7 @@
 # `git archive <branch> b12x_ops benchmarks | tar -x -C <dir>`), timed by its own
 # benchmarks/bench_moe.py (which puts its tree first on sys.path) in a process of its own.
 #
-#   bash benchmarks/compare_trees.sh main=. fused=.scratch/fused:B12X_OPS_TRITON_GEMV_FUSED=1 \
+#   bash benchmarks/compare_trees.sh main=. nofuse=.:B12X_OPS_TRITON_GEMV_FUSED=0 \
 #       -- --no-tune --layers 4 --reps 10 --bf16-layers 0 --sizes 1 2 4
 #
 # Each argument before `--` is LABEL=DIR[:VAR=VALUE[:VAR=VALUE...]]; what follows `--` goes to

@@ -33,9 +33,10 @@ from b12x_ops.backends.triton import plan as P  # noqa: E402
 
 # element types of the pointer arguments, by name (what ``_launch`` passes)
 _I16 = {"x_ptr", "wts_in_ptr", "out_ptr"}
-_I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cnt_ptr", "key_ptr", "off_ptr"}
-_U8 = {"w_ptr", "s_ptr"}
-_F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr"}
+_I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cnt_ptr", "key_ptr", "off_ptr",
+        "cnt1_ptr", "cnt2_ptr", "sync_ptr"}
+_U8 = {"w_ptr", "s_ptr", "w13_ptr", "s13_ptr", "w2_ptr", "s2_ptr"}
+_F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr", "g13_ptr", "g2_ptr", "part1_ptr", "part2_ptr"}
 
 
 def signature(launch: P.Launch) -> tuple[dict, dict]:

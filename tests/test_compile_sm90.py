@@ -158,3 +158,32 @@ def test_stage_kernels_wait_for_the_previous_launch_first_under_pdl(offline, pdl
                 assert "ld.global" in body or "cp.async" in body
     assert names == {"xquant_kernel", "gemv1_kernel", "gemv2_kernel", "prologue_kernel", "gemm1_kernel",
                      "gemm2_kernel", "finalize_kernel"}
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
+    """The one-launch GEMV (``gemv_fused_kernel``, what eager calls launch at 1-2 tokens): both
+    roles' decodes stay in the MMA operand layout, four 4-warp programs fit an SM, the counts are
+    released and the waits acquire."""
+    import dataclasses
+    import re
+
+    from b12x_ops.backends.triton import plan as P
+
+    g = offline._geometry(GEOMETRIES[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx = gp.fold = True
+    for M in (1, 2):
+        cfg = dataclasses.replace(P.default_config(M, g), fused=True)
+        assert cfg.gemv and not cfg.xq
+        stages = gp.stages(cfg, M)
+        assert [s is None for s in stages] == [True, False, True, True]
+        ck = offline.compile_launch(stages[1], 90)
+        assert ck.metadata.name == "gemv_fused_kernel"
+        _assert_asm_in_operand_layout(ck, (name, M))
+        regs = int(re.search(r"REG:(\d+)", offline.resources(ck.asm["cubin"], "gemv_fused_kernel")).group(1))
+        assert regs <= P.GEMV1_MAXNREG
+        ptx = ck.asm["ptx"]  # (the wait's atomic add of 0 becomes an acquire load)
+        # (spellings vary by version: an unused result makes the count a red.release)
+        mem = [ln for ln in ptx.splitlines() if re.search(r"\b(atom|red|ld)\.", ln)]
+        assert any("acquire" in ln for ln in mem) and any("release" in ln for ln in mem)

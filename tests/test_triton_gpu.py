@@ -309,6 +309,57 @@ def test_gpu_gemv_split_matches_reference_and_is_deterministic(name):
                                          (51, 52))
 
 
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-30b-a3b", "odd-ep"])
+def test_gpu_gemv_fused_matches_two_launches(name):
+    """The one-launch GEMV (``kernels.gemv_fused_kernel``, gemv2's programs waiting on their token's
+    gemv1 programs inside one grid; what eager calls launch at 1-2 tokens) writes the same bits as
+    the two launches (what graph capture records), the default splits and others, every one of 50
+    runs (a missed wait would read unfinished activations), its tickets and counts back at zero,
+    and under CUDA-graph replay."""
+    import dataclasses
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import plan as P
+
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=2, frozen=False)
+    st = h._state
+    g = st.plans.geometry
+    for M in (1, 2):
+        base = P.default_config(M, g, gemv=True)
+        assert not base.xq
+        for split1, split2 in ((base.split1, base.split2), (1, 1), (3, 2 * g.top_k)):
+            two = dataclasses.replace(base, split1=split1, split2=split2, fused=False)
+            one = dataclasses.replace(two, fused=True)
+            st.plans.reserve(M, two)
+            st.plans.reserve(M, one)
+            x, ids, w = make_batch(layer, M, seed=60 + M, device="cuda", padding_rows=M // 2)
+            want = torch.full_like(x, float("nan"))
+            _launch_all(st, two, x, ids, w, want)
+            assert rel_l2(want, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2
+            out = torch.full_like(x, float("nan"))
+            for _ in range(50):
+                _launch_all(st, one, x, ids, w, out)
+                assert torch.equal(out, want), (name, M, split1, split2)
+            a = st.plans.arena.buffers
+            assert not a["sync"].any() and not a["cnt1"].any() and not a["cnt2"].any()
+        out = torch.empty_like(x)
+        _assert_graph_replays_new_inputs(lambda: _launch_all(st, one, x, ids, w, out), layer, ref, x, ids, w, out,
+                                         (61, 62))
+    # through the op: an eager call takes the one launch, a captured call the two, with the same bits
+    for M in (1, 2):
+        assert st.plans.runner_for(M, torch.cuda.is_current_stream_capturing).cfg.fused
+        x, ids, w = make_batch(layer, M, seed=70 + M, device="cuda")
+        eager = b12x_ops.moe_w4a8(x, ids, w, h)
+        out = torch.full_like(x, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+        graph.replay()
+        assert torch.equal(out, eager), (name, M)
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "odd-ep"])
 def test_gpu_every_tile_candidate_matches_reference(name):
     """Every configuration the tuner may pick (GEMV and blocked tiles, 4- and 8-warp programs)

@@ -10,6 +10,7 @@ contract's tolerance while the stages are compared bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -461,6 +462,80 @@ def test_interp_gemv_and_blocked_paths_agree(deterministic):
         sums = slots.view(M, layer.top_k, layer.K).sum(1)
         assert rel_l2(outs[0], outs[1]) < 4e-3
         assert rel_l2(outs[1].float(), sums) < 4e-3  # the blocked output is its slots' sum, rounded once
+
+
+@inner
+@pytest.mark.parametrize("variant", [
+    dict(layout="w13", limit=None, global_scales=False),
+    dict(layout="w31", limit=3.0, global_scales=True, offset=3),
+])
+@pytest.mark.parametrize("bk,split1,split2", [(64, 1, 3), (64, 2, 6), (128, 3, 1), (64, 3, 2)])
+def test_interp_gemv_fused_matches_two_launches(variant, bk, split1, split2):
+    # the fused GEMV launch (gemv1 and gemv2 as ticketed roles of one grid) writes the same bits as
+    # the two launches, for splits that give gemv2 one slot a program (3, 6 at top-3) or runs of
+    # slots (1, 2), and leaves its tickets and counts at zero for the next call
+    from b12x_ops.backends.triton import _launch_all
+    layer = make_layer(E=5, K=96, N=96, top_k=3, seed=4, **variant)
+    h = layer.prepare(backend="triton", max_tokens=8, gemv=True)
+    st = h._state
+    gp = st.plans
+    two = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True, split1=split1, split2=split2)
+    one = P.Config(1, 64, bk, 4, 1, 32, bk, 4, 1, False, gemv=True, split1=split1, split2=split2, fused=True)
+    gp.reserve(8, two)
+    gp.reserve(8, one)
+    assert gp.stages(one)[0] is None and gp.stages(one)[2:] == (None, None)
+    assert gp.stages(one)[1].fn is K_.gemv_fused_kernel
+    for M, seed in ((7, 3), (1, 5), (7, 6)):  # (the third call sees what the first two left)
+        x, ids, w = make_batch(layer, M, seed=seed, padding_rows=2 if M > 2 else 0)
+        want = torch.full_like(x, float("nan"))
+        got = torch.full_like(x, float("nan"))
+        _launch_all(st, two, x, ids, w, want, stages=("prologue", "gemm1", "gemm2"))
+        _launch_all(st, one, x, ids, w, got, stages=("prologue", "gemm1", "gemm2"))
+        assert torch.isfinite(want).all() and torch.equal(got, want)
+        sync = gp.arena.buffers["sync"]
+        assert sync.numel() >= 2 + 8 and not sync.any()
+        assert not gp.arena.buffers["cnt1"].any() and not gp.arena.buffers["cnt2"].any()
+
+
+@inner
+def test_interp_gemv_fused_is_the_eager_form_where_it_applies(monkeypatch):
+    # plans stay two launches (what graph capture records); the GEMV path without xq also gets a
+    # one-launch form, which calls outside capture take, unless B12X_OPS_TRITON_GEMV_FUSED=0
+    layer = make_layer(E=8, K=64, N=32, top_k=4)
+    h = layer.prepare(backend="triton", max_tokens=8)
+    g = h._state.plans.geometry
+    for M in (1, 2, 3, 4, 8):
+        cfg = P.default_config(M, g)
+        assert not cfg.fused
+        eager = P.eager_form(cfg)
+        assert (eager is not None) == (cfg.gemv and not cfg.xq), M
+        assert eager is None or eager == dataclasses.replace(cfg, fused=True)
+    monkeypatch.setattr(P, "GEMV_FUSED_EAGER", False)
+    assert not any(P.eager_form(P.default_config(M, g)) for M in (1, 2, 3, 4, 8))
+    monkeypatch.setattr(P, "GEMV_FUSED_EAGER", True)
+    # through the op (a geometry of its own: plans are shared per geometry): a call launches the
+    # fused kernel at 1-2 tokens, a call under capture the two launches, with the same bits
+    from b12x_ops.backends import triton as T
+    layer = make_layer(E=7, K=64, N=32, top_k=3, seed=11, limit=5.0)
+    h = layer.prepare(backend="triton", max_tokens=4)
+    gp = h._state.plans
+    assert sorted(gp.eager_runners) == [c for c in gp.caps if c <= 2]
+    for M in (1, 2):
+        assert gp.runner_for(M, lambda: False).cfg.fused
+        assert not gp.runner_for(M, lambda: True).cfg.fused and not gp.runner_for(M).cfg.fused
+        x, ids, w = make_batch(layer, M, seed=M, padding_rows=M - 1)
+        launched = []
+        real = T._launch
+        monkeypatch.setattr(T, "_launch", lambda st, rn, *a: (launched.append(rn.cfg.fused), real(st, rn, *a)))
+        got = b12x_ops.moe_w4a8(x, ids, w, h)
+        monkeypatch.setattr(T, "_capturing", lambda: True)
+        monkeypatch.setattr(T, "_never", lambda: True)  # (as if captured)
+        want = b12x_ops.moe_w4a8(x, ids, w, h)
+        monkeypatch.setattr(T, "_never", lambda: False)
+        monkeypatch.setattr(T, "_launch", real)
+        assert launched == [True, False]
+        assert torch.equal(got, want)
+    assert not gp.runner_for(4, lambda: False).cfg.fused  # (x quantized first: two launches always)
 
 
 @inner

@@ -148,6 +148,8 @@ def _warm(state, cap):
     x, ids, w = _synthetic_batch(state, cap)
     out = torch.empty_like(x)
     run(state, x, ids, w, out)
+    if cap in state.plans.eager_runners:  # (run took the eager form; graph capture takes this one)
+        _launch(state, state.plans.runners[cap], x, ids, w, out, _ALL)
 
 
 def _choose_configs(state, caps, tune, cache_dir_opt):
@@ -246,7 +248,7 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
     if m == 0:
         return
     gp = state.plans
-    rn = gp.runner_for(m)
+    rn = gp.runner_for(m, _capturing if x.is_cuda else _never)
     cfg = rn.cfg
     if not cfg.atomic and not cfg.gemv and m > gp.slot_chunk:
         step = gp.slot_chunk
@@ -258,6 +260,11 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
 
 
 _ALL = ("prologue", "gemm1", "gemm2", "finalize")
+_capturing = torch.cuda.is_current_stream_capturing
+
+
+def _never() -> bool:  # (no CUDA graph captures a CPU tensor's call: the interpreter takes the eager form)
+    return False
 _W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -296,6 +303,14 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     if cfg.gemv:  # two launches, or three with x quantized first; no routing pass (see kernels.gemv1_kernel)
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         x16, x_fp16 = x.view(torch.int16), int(x.dtype == torch.float16)
+        if cfg.fused:  # one launch (kernels.gemv_fused_kernel)
+            if "gemm1" in stages:
+                rn.gemm1((rn.fused_programs(m, state.plans.geometry.top_k), 1, 1),
+                         x16, ids32, w16, state.w13, state.w13_scale, state.g13, state.w2, state.w2_scale, state.g2,
+                         a["act"], out.view(torch.int16), a["part1"], a["cnt1"], a["part2"], a["cnt2"], a["sync"], m,
+                         x.stride(0), si0, si1, sw0, sw1, state.expert_offset, x_fp16, w_kind, out.stride(0),
+                         int(out.dtype == torch.float16), state.limit)
+            return
         if cfg.xq and "prologue" in stages:
             rn.prologue((m, rn.xquant_tiles, 1), x16, a["xq"], m, x.stride(0), x_fp16)
         if "gemm1" in stages:

@@ -619,7 +619,7 @@ def gemv1_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-    XQ: tl.constexpr = False, PDL: tl.constexpr = False,
+    XQ: tl.constexpr = False, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Program (slot b, N tile, K part): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into
     row ``b`` of ``a`` (split layout). ``x`` and the ids come as raw 16-/32-bit views (see
@@ -629,7 +629,21 @@ def gemv1_kernel(
     and the last to finish (``_last_of_split``) adds them in part order (the same bits whichever
     finishes last) and writes the activations."""
     pdl_start(PDL)
-    pid = tl.program_id(0)
+    _gemv1_program(tl.program_id(0), x_ptr, xq_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr, S,
+                   stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit, K, N, TOPK, E, UP_FIRST, HAS_LIMIT,
+                   HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD, SPLIT, XQ, STAGES)
+
+
+@triton.jit
+def _gemv1_program(
+    pid, x_ptr, xq_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr,
+    S, stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr, SPLIT: tl.constexpr, XQ: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """gemv1's program ``pid`` (``gemv1_kernel``; also a role of ``gemv_fused_kernel``)."""
     b = pid % S
     rest = pid // S
     part = rest % SPLIT
@@ -668,7 +682,7 @@ def gemv1_kernel(
     sg = tl.load(gate_s + k_lo // 32, mask=sm, other=0)
     acc_u = tl.zeros((BN, 16), dtype=tl.float32)
     acc_g = tl.zeros((BN, 16), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):  # (this loop's pipeline depth)
         # both code tiles' loads first: they then wait on memory together (the MMAs' fences keep
         # the compiler from hoisting a later load above them)
         tu = load_repacked(up_g, gvalid, k0 // 64, NQ, BN, BKH)
@@ -707,7 +721,8 @@ def gemv1_kernel(
 
 @triton.jit
 def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, n_lo, n_hi, N: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr):
+                BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr,
+                STAGES: tl.constexpr):
     """``dq8(a) @ W2[e]^T`` over the N steps ``n_lo .. n_hi`` of one slot's activation row (split
     layout) for ``BN`` output rows (their repacked row groups from ``w_g``), fp32 ``[BN]``."""
     NH: tl.constexpr = N // 2
@@ -723,7 +738,7 @@ def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, n_lo, n_hi, N: tl.const
     acc = tl.zeros((BN, 16), dtype=tl.float32)
     row_s = s_e + offs_o[:, None] * NS + offs_s[None, :]
     s = tl.load(row_s + n_lo // 32, mask=ovalid[:, None] & ((n_lo // 32 + offs_s) < NS)[None, :], other=0)
-    for n0 in range(n_lo, n_hi, BK):
+    for n0 in tl.range(n_lo, n_hi, BK, num_stages=STAGES):  # (this loop's pipeline depth)
         am = ((n0 // 2 + offs_h) < NH)[:, None] & (col == 0)[None, :]
         ae = tl.load(a_h + n0, mask=am, other=0.0).to(DOT_DTYPE)
         ao = tl.load(a_h + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
@@ -739,7 +754,7 @@ def _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, jj, pid
                      stride_wk, expert_offset, w_kind, gvalid, offs_o, ovalid, n_lo, n_hi, total,
                      K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr,
-                     FOLD: tl.constexpr):
+                     FOLD: tl.constexpr, STAGES: tl.constexpr):
     """``total`` plus slot ``jj``'s term of token ``m64`` (``wts * dq8(a) @ W2[e]^T`` over its N
     steps ``n_lo .. n_hi``), or ``total`` when the slot is padding or another rank's."""
     NS: tl.constexpr = N // 32
@@ -749,7 +764,7 @@ def _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, jj, pid
     if ours:
         w_g = w_ptr + e * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512)
         y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_g, gvalid, s_ptr + e * (K * NS), offs_o, ovalid, n_lo,
-                        n_hi, N, BN, BK, DOT_DTYPE, PTX, FOLD)
+                        n_hi, N, BN, BK, DOT_DTYPE, PTX, FOLD, STAGES)
         if HAS_GS:
             y = y * tl.load(gs_ptr + e)
         total += y * load_weight_raw(wts_ptr + m64 * stride_wm + jj * stride_wk, True, w_kind)
@@ -764,7 +779,7 @@ def gemv2_kernel(
     M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False,
-    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False,
+    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Program (token m, K tile of BN outputs, part): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T``
     over the token's local slots in slot order, rounded once to the output dtype. With ``SPLIT``
@@ -773,7 +788,20 @@ def gemv2_kernel(
     of them empty above ``TOPK``). The last program to finish adds the parts' sums in part order
     (``_last_of_split``)."""
     pdl_start(PDL)
-    pid = tl.program_id(0)
+    _gemv2_program(tl.program_id(0), a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M,
+                   stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16, K, N, TOPK,
+                   E, HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD, SPLIT, STAGES)
+
+
+@triton.jit
+def _gemv2_program(
+    pid, a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr,
+    SPLIT: tl.constexpr, STAGES: tl.constexpr,
+):
+    """gemv2's program ``pid`` (``gemv2_kernel``; also a role of ``gemv_fused_kernel``)."""
     m = pid % M
     rest = pid // M
     part = rest % SPLIT
@@ -793,20 +821,77 @@ def gemv2_kernel(
     if RUNS == TOPK:  # one slot a program (the split a multiple of TOPK): that slot's code alone
         total = _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, run, pid_n, stride_im, stride_ik,
                                  stride_wm, stride_wk, expert_offset, w_kind, gvalid, offs_o, ovalid, n_lo, n_hi,
-                                 total, K, N, TOPK, E, HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD)
+                                 total, K, N, TOPK, E, HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD, STAGES)
     else:
         for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
             if jj // PER == run:
                 total = _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, jj, pid_n, stride_im,
                                          stride_ik, stride_wm, stride_wk, expert_offset, w_kind, gvalid, offs_o,
                                          ovalid, n_lo, n_hi, total, K, N, TOPK, E, HAS_GS, BN, BK, DOT_DTYPE, PTX,
-                                         FOLD)
+                                         FOLD, STAGES)
     if SPLIT > 1:
         tile = m64 * ((K + BN - 1) // BN) + pid_n
         last, total, _ = _last_of_split(part_ptr + tile * (SPLIT * 2 * BN), cnt_ptr + tile, part, total, total, SPLIT)
         if last == 0:
             return
     tl.store(out_ptr + m64 * stride_om + offs_o, f32_to_half_bits(total, out_fp16), mask=ovalid)
+
+
+@_jit(dns=("M", "stride_xm", "stride_im", "stride_ik", "stride_wm", "stride_wk", "expert_offset", "x_fp16", "w_kind",
+           "stride_om", "out_fp16"),
+      dnsa=("x_ptr", "ids_ptr", "wts_ptr", "out_ptr"))
+def gemv_fused_kernel(
+    x_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, a_ptr, out_ptr,
+    part1_ptr, cnt1_ptr, part2_ptr, cnt2_ptr, sync_ptr,
+    M, stride_xm, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, x_fp16, w_kind, stride_om, out_fp16,
+    limit,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, SPLIT1: tl.constexpr,
+    BN2: tl.constexpr, BK2: tl.constexpr, SPLIT2: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr,
+    FOLD: tl.constexpr, ST1: tl.constexpr = 1, ST2: tl.constexpr = 1, PDL: tl.constexpr = False,
+):
+    """gemv1 and gemv2 in one launch of ``G1 + G2`` programs (their two grids; x quantized on the
+    fly), one launch's host time less than the two. A program takes a ticket (``sync[0]``): the
+    first ``G1`` tickets are gemv1's programs, the rest gemv2's. A gemv1 program counts itself in
+    at its token's ``sync[2 + m]`` when done (release); a gemv2 program waits until all of its
+    token's gemv1 programs are in (acquire), then runs. Tickets, not program ids, give the roles:
+    a gemv2 program can only hold a ticket once every gemv1 ticket is held by a running program,
+    and those never wait, so every wait ends. The last gemv2 program to finish (``sync[1]``)
+    zeroes the tickets and counts for the next call."""
+    pdl_start(PDL)
+    S = M * TOPK
+    NT1: tl.constexpr = (N + BN1 - 1) // BN1
+    NT2: tl.constexpr = (K + BN2 - 1) // BN2
+    G1 = S * NT1 * SPLIT1
+    G2 = M * NT2 * SPLIT2
+    t = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    if t < G1:
+        _gemv1_program(t, x_ptr, x_ptr, ids_ptr, w13_ptr, s13_ptr, g13_ptr, a_ptr, part1_ptr, cnt1_ptr, S,
+                       stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit, K, N, TOPK, E, UP_FIRST,
+                       HAS_LIMIT, HAS_GS, BN1, BK1, DOT_DTYPE, PTX, FOLD, SPLIT1, False, ST1)
+        tl.debug_barrier()  # every thread's stores before the count (the release covers them)
+        tl.atomic_add(sync_ptr + 2 + (t % S) // TOPK, 1, sem="release")
+    else:
+        u = t - G1
+        m = u % M
+        while tl.atomic_add(sync_ptr + 2 + m, 0, sem="acquire") < TOPK * NT1 * SPLIT1:
+            pass
+        _gemv2_program(u, a_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, g2_ptr, out_ptr, part2_ptr, cnt2_ptr, M,
+                       stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16, K, N,
+                       TOPK, E, HAS_GS, BN2, BK2, DOT_DTYPE, PTX, FOLD, SPLIT2, ST2)
+        tl.debug_barrier()
+        done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
+        if done == G2 - 1:  # every program has finished: zero the tickets and counts for the next call
+            tl.store(sync_ptr, 0)
+            tl.store(sync_ptr + 1, 0)
+            for i in range(0, M):
+                tl.store(sync_ptr + 2 + i, 0)
+
+
+def gemv_fused_programs(tokens: int, top_k: int, n_tiles1: int, n_tiles2: int) -> int:
+    """Grid of ``gemv_fused_kernel``: gemv1's ``tokens * top_k * n_tiles1`` programs (tiles times
+    split) plus gemv2's ``tokens * n_tiles2``."""
+    return tokens * top_k * n_tiles1 + tokens * n_tiles2
 
 
 def gemv1_torch(xq_row, w13, w13_scale, e, layout, limit, g13=None):

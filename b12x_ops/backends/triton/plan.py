@@ -88,6 +88,8 @@ class Config:
     # the GEMV path only: x quantized once by a launch before gemv1 (``kernels.xquant_kernel``)
     # instead of in every gemv1 program
     xq: bool = False
+    # the GEMV path without xq only: gemv1 and gemv2 as one launch (``kernels.gemv_fused_kernel``)
+    fused: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -200,6 +202,29 @@ GEMV_XQ_TOKENS = 3
 # With x quantized first (161-165 registers) the cap was slower for gpt-oss (107.7 -> 115.3 at
 # M = 4), so that form is left uncapped (its 128-element steps since need 66-100 registers).
 GEMV1_MAXNREG = 128
+# gemv1 and gemv2 in one launch where x is quantized on the fly (``kernels.gemv_fused_kernel``,
+# gemv2's programs waiting inside the grid for their token's gemv1 programs): one launch's host
+# time less a call (about 9 us on the H200's host). Its graph replay is slower (H200: gpt-oss M = 1
+# 35.0 -> 42.2 us, Qwen3 18.3 -> 20.0; the waiting programs hold SM slots), so a call made outside
+# CUDA-graph capture launches it and a captured call the two launches (the same bits either way).
+# B12X_OPS_TRITON_GEMV_FUSED=0 turns the one launch off.
+GEMV_FUSED_EAGER = os.environ.get("B12X_OPS_TRITON_GEMV_FUSED", "1") != "0"
+
+
+def gemv_fused_status() -> str:
+    """Whether eager calls launch the GEMV path as one kernel, and why (``b12x-ops info``)."""
+    if GEMV_FUSED_EAGER:
+        return (f"on: calls of fewer than {GEMV_XQ_TOKENS} tokens outside CUDA-graph capture launch gemv1 and "
+                "gemv2 as one kernel (B12X_OPS_TRITON_GEMV_FUSED=0 turns it off)")
+    return "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
+
+
+def eager_form(cfg: "Config") -> "Config | None":
+    """What a call of ``cfg``'s plan launches outside CUDA-graph capture where that differs from
+    ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``, the GEMV path without ``xq``), else None."""
+    if GEMV_FUSED_EAGER and cfg.gemv and not cfg.xq and not cfg.fused:
+        return dataclasses.replace(cfg, fused=True)
+    return None
 
 
 def _parts(steps: int, parts: int) -> int:
@@ -384,6 +409,10 @@ class Runner(NamedTuple):
         """The prologue's grid (``kernels.prologue_programs``)."""
         return K_.prologue_programs(tokens, top_k, self.route_slots, self.prologue_rows, self.prologue_pieces)
 
+    def fused_programs(self, tokens: int, top_k: int) -> int:
+        """The fused GEMV launch's grid (``kernels.gemv_fused_programs``)."""
+        return K_.gemv_fused_programs(tokens, top_k, self.n_tiles1, self.n_tiles2)
+
     def blocks(self, slots: int) -> int:
         """Expert blocks a call of ``slots`` routed slots launches (``kernels.num_blocks``)."""
         return K_.num_blocks(slots, self.num_experts, self.cfg.bm)
@@ -440,6 +469,7 @@ class GeometryPlans:
         self.caps: list[int] = []
         self.launches: dict[tuple, Launch] = {}
         self.runners: dict[int, Runner] = {}  # per planned count: what a call launches
+        self.eager_runners: dict[int, Runner] = {}  # ... outside graph capture, where that differs
         self.arena = Arena(geometry.device, dry)
         g = geometry
         self.e_pad = triton.next_power_of_2(g.num_experts + 1)
@@ -458,9 +488,14 @@ class GeometryPlans:
         cap = self.cap_for(m)
         return cap, self.configs[cap]
 
-    def runner_for(self, m: int) -> Runner:
-        """What a call of ``m`` tokens launches (built by ``add`` at prepare)."""
-        return self.runners[self.cap_for(m)]
+    def runner_for(self, m: int, capturing=None) -> Runner:
+        """What a call of ``m`` tokens launches (built by ``add`` at prepare): the plan's eager form
+        (``eager_form``) where it has one and ``capturing()`` (asked only then) is false."""
+        cap = self.cap_for(m)
+        rn = self.eager_runners.get(cap)
+        if rn is not None and capturing is not None and not capturing():
+            return rn
+        return self.runners[cap]
 
     # ---- prepare
     def runner(self, cfg: Config, tokens: int | None = None) -> Runner:
@@ -485,6 +520,8 @@ class GeometryPlans:
 
     @staticmethod
     def kinds(cfg: Config) -> tuple[str, ...]:
+        if cfg.fused:  # (one launch: the fused kernel in gemm1's place)
+            return ("gemm1",)
         if cfg.gemv:
             return ("prologue", "gemm1", "gemm2") if cfg.xq else ("gemm1", "gemm2")
         return ("prologue", "gemm1", "gemm2", "finalize")
@@ -497,6 +534,8 @@ class GeometryPlans:
             rt, nbt = route_tiles(None if tokens is None else tokens * g.top_k, g.num_experts, cfg.bm)
             qs = quant_pieces(tokens, g.hidden_size)
             key = (kind, cfg.bm, cfg.atomic, rt, nbt, qs)
+        elif kind == "gemm1" and cfg.fused:
+            key = ("gemv_fused",) + cfg.tiles1() + cfg.tiles2()
         elif kind == "gemm1" and cfg.gemv:
             key = ("gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
@@ -523,18 +562,29 @@ class GeometryPlans:
                                              NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"], QS=qs,
                                              ZERO_ACC=cfg.atomic),
                     p["warps"], 1)
+        elif kind == "gemm1" and cfg.fused:
+            ln = mk(K_.gemv_fused_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
+                                               UP_FIRST=g.w13_layout == "w13",
+                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
+                                               BN1=cfg.bn1, BK1=cfg.bk1, SPLIT1=cfg.split1, BN2=cfg.bn2,
+                                               BK2=cfg.bk2, SPLIT2=cfg.split2, DOT_DTYPE=self.dot_dtype,
+                                               PTX=self.ptx, FOLD=self.fold, ST1=_stages(cfg.bk1, cfg.stages1),
+                                               ST2=_stages(cfg.bk2, cfg.stages2)),
+                    cfg.warps1, max(_stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)),
+                    GEMV1_MAXNREG)
         elif kind == "gemm1" and cfg.gemv:
             ln = mk(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                           UP_FIRST=g.w13_layout == "w13",
                                           HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
                                           BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
-                                          FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq),
+                                          FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq,
+                                          STAGES=_stages(cfg.bk1, cfg.stages1)),
                     cfg.warps1, _stages(cfg.bk1, cfg.stages1), None if cfg.xq else GEMV1_MAXNREG)
         elif kind == "gemm2" and cfg.gemv:
             ln = mk(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
                                           HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
                                           DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold,
-                                          SPLIT=cfg.split2),
+                                          SPLIT=cfg.split2, STAGES=_stages(cfg.bk2, cfg.stages2)),
                     cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         elif kind == "gemm1":
             ln = mk(K_.gemm1_kernel,
@@ -572,6 +622,8 @@ class GeometryPlans:
             a.need("part2", t2 * cfg.split2 * 2 * cfg.bn2 if cfg.split2 > 1 else 1, torch.float32)
             a.need("cnt1", t1 if cfg.split1 > 1 else 1, torch.int32, zeroed=True)  # (reset by the kernels)
             a.need("cnt2", t2 if cfg.split2 > 1 else 1, torch.int32, zeroed=True)
+            if cfg.fused:  # tickets, finished gemv2 programs, gemv1 programs done a token
+                a.need("sync", 2 + cap, torch.int32, zeroed=True)
             return
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k
@@ -596,6 +648,12 @@ class GeometryPlans:
         self.caps = sorted(self.configs)
         self.reserve(cap, cfg)
         self.runners[cap] = self.runner(cfg, cap)
+        eager = eager_form(cfg)
+        if eager is not None:
+            self.reserve(cap, eager)
+            self.eager_runners[cap] = self.runner(eager, cap)
+        else:
+            self.eager_runners.pop(cap, None)
 
 
 # ------------------------------------------------------------------------------- tuning cache
