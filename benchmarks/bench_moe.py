@@ -227,12 +227,17 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         for _ in range(5):
             b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
         torch.cuda.synchronize()
-        n = 200
-        t = time.perf_counter()
-        for _ in range(n):
-            b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
-        torch.cuda.synchronize()
-        eager = (time.perf_counter() - t) / n
+        loops = []  # (the median of three loops: one transient stall of the host does not set it)
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(100):
+                b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
+            torch.cuda.synchronize()
+            loops.append((time.perf_counter() - t) / 100)
+        eager = sorted(loops)[1]
+        # what an eager call launches: the GEMV path's one launch (kept at prepare where faster) or not
+        eager_fused = bool(h0._state.plans.runner_for(M, lambda: False).cfg.fused)
         # host cost of issuing one call: few enough calls that the launch queue never fills
         hosts = []
         for _ in range(5):
@@ -249,7 +254,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
                  bytes=nbytes, flops=flops, distinct_experts=distinct, rel_err_vs_ref=err,
                  pct_of_limit=100 * limit_s / ours, eager_us=eager * 1e6, host_us=host * 1e6,
                  single_graph_us=single * 1e6, eager_overhead_us=(eager - single) * 1e6,
-                 tflops=flops / ours / 1e12, pct_bf16_peak=100 * flops / ours / peak)
+                 tflops=flops / ours / 1e12, pct_bf16_peak=100 * flops / ours / peak, eager_fused=eager_fused)
         if bf16:
             p["bf16_us"] = graph_time([(lambda i=i: bf16[i](xs[i], rt[i][1], rt[i][2])) for i in range(len(bf16))],
                                       args.reps) * 1e6
@@ -339,7 +344,11 @@ def write_markdown(res, path):
                 f"| {p['M']} | {p['ours_us']:.1f} | {p['limit_us']:.1f} | {p['pct_of_limit']:.0f}% | "
                 f"{p.get('bf16_us', float('nan')):.1f} | {tk_s} | {ratio} | {p['pct_bf16_peak']:.0f}% | "
                 f"{p['eager_us']:.1f} | {p['eager_overhead_us']:.1f} | {p['host_us']:.1f} | {err} |")
-        lines.append("")
+        fused = [str(p["M"]) for p in g["points"] if p.get("eager_fused")]
+        lines += ["", f"Eager calls launch the GEMV path as one kernel at M = {', '.join(fused)} (prepare timed it "
+                  "faster there); every other eager call, and every graph, launches the stages apart."
+                  if fused else "Eager calls launch the stages apart at every M (prepare timed the one-launch GEMV "
+                  "no faster).", ""]
         if g.get("diagnosis"):
             lines += ["Per-stage times of one layer (us; each stage alone, CUDA-graph replay), with grid (programs), "
                       "registers/thread and spills. bm: the blocked path's block rows; GEMV: "

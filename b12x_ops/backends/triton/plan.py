@@ -205,9 +205,10 @@ GEMV1_MAXNREG = 128
 # gemv1 and gemv2 in one launch where x is quantized on the fly (``kernels.gemv_fused_kernel``,
 # gemv2's programs waiting inside the grid for their token's gemv1 programs): one launch's host
 # time less a call (about 9 us on the H200's host). Its graph replay is slower (H200: gpt-oss M = 1
-# 35.0 -> 42.2 us, Qwen3 18.3 -> 20.0; the waiting programs hold SM slots), so a call made outside
-# CUDA-graph capture launches it and a captured call the two launches (the same bits either way).
-# B12X_OPS_TRITON_GEMV_FUSED=0 turns the one launch off.
+# 35.0 -> 42.2 us, Qwen3 18.3 -> 20.0; the waiting programs hold SM slots), so only a call made
+# outside CUDA-graph capture may launch it, and only where prepare timed eager calls of it faster
+# than of the two launches (``_warm``: where the host, not the GPU, sets the pace); a captured call
+# launches the two (the same bits either way). B12X_OPS_TRITON_GEMV_FUSED=0 turns the one launch off.
 GEMV_FUSED_EAGER = os.environ.get("B12X_OPS_TRITON_GEMV_FUSED", "1") != "0"
 
 
@@ -215,7 +216,7 @@ def gemv_fused_status() -> str:
     """Whether eager calls launch the GEMV path as one kernel, and why (``b12x-ops info``)."""
     if GEMV_FUSED_EAGER:
         return (f"on: calls of fewer than {GEMV_XQ_TOKENS} tokens outside CUDA-graph capture launch gemv1 and "
-                "gemv2 as one kernel (B12X_OPS_TRITON_GEMV_FUSED=0 turns it off)")
+                "gemv2 as one kernel where prepare timed that faster (B12X_OPS_TRITON_GEMV_FUSED=0 turns it off)")
     return "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
 
 
