@@ -563,30 +563,21 @@ class GeometryPlans:
                                              NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"], QS=qs,
                                              ZERO_ACC=cfg.atomic),
                     p["warps"], 1)
-        elif kind == "gemm1" and cfg.fused:
-            ln = mk(K_.gemv_fused_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                               UP_FIRST=g.w13_layout == "w13",
-                                               HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                               BN1=cfg.bn1, BK1=cfg.bk1, SPLIT1=cfg.split1, BN2=cfg.bn2,
-                                               BK2=cfg.bk2, SPLIT2=cfg.split2, DOT_DTYPE=self.dot_dtype,
-                                               PTX=self.ptx, FOLD=self.fold, ST1=_stages(cfg.bk1, cfg.stages1),
-                                               ST2=_stages(cfg.bk2, cfg.stages2)),
-                    cfg.warps1, max(_stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)),
-                    GEMV1_MAXNREG)
-        elif kind == "gemm1" and cfg.gemv:
-            ln = mk(K_.gemv1_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                          UP_FIRST=g.w13_layout == "w13",
-                                          HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales,
-                                          BN=cfg.bn1, BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx,
-                                          FOLD=self.fold, SPLIT=cfg.split1, XQ=cfg.xq,
-                                          STAGES=_stages(cfg.bk1, cfg.stages1)),
-                    cfg.warps1, _stages(cfg.bk1, cfg.stages1), None if cfg.xq else GEMV1_MAXNREG)
-        elif kind == "gemm2" and cfg.gemv:
-            ln = mk(K_.gemv2_kernel, dict(common, N=g.intermediate_size, E=g.num_experts,
-                                          HAS_GS=g.has_global_scales, BN=cfg.bn2, BK=cfg.bk2,
-                                          DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold,
-                                          SPLIT=cfg.split2, STAGES=_stages(cfg.bk2, cfg.stages2)),
-                    cfg.warps2, _stages(cfg.bk2, cfg.stages2))
+        elif cfg.gemv:  # (gemv1, gemv2, or both as one launch)
+            st1, st2 = _stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)
+            gv = dict(common, N=g.intermediate_size, E=g.num_experts, HAS_GS=g.has_global_scales,
+                      DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold)
+            gv1 = dict(gv, UP_FIRST=g.w13_layout == "w13", HAS_LIMIT=g.swiglu_limit is not None)
+            if kind == "gemm1" and cfg.fused:
+                ln = mk(K_.gemv_fused_kernel, dict(gv1, BN1=cfg.bn1, BK1=cfg.bk1, SPLIT1=cfg.split1, BN2=cfg.bn2,
+                                                   BK2=cfg.bk2, SPLIT2=cfg.split2, ST1=st1, ST2=st2),
+                        cfg.warps1, max(st1, st2), GEMV1_MAXNREG)
+            elif kind == "gemm1":
+                ln = mk(K_.gemv1_kernel, dict(gv1, BN=cfg.bn1, BK=cfg.bk1, SPLIT=cfg.split1, XQ=cfg.xq, STAGES=st1),
+                        cfg.warps1, st1, None if cfg.xq else GEMV1_MAXNREG)
+            else:  # (gemm2: the GEMV path has no finalize)
+                ln = mk(K_.gemv2_kernel, dict(gv, BN=cfg.bn2, BK=cfg.bk2, SPLIT=cfg.split2, STAGES=st2),
+                        cfg.warps2, st2)
         elif kind == "gemm1":
             ln = mk(K_.gemm1_kernel,
                     dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
