@@ -9,8 +9,9 @@ package adds above the kernels. For scale it also times an empty op registered w
 
 ``--triton`` (CPU) also times the Triton backend's own per-call Python: a handle prepared under
 ``TRITON_INTERPRET=1`` whose precompiled launches are stubbed after assembling their argument
-lists, on its small-M (GEMV, 2 launches) and blocked (4 launches) paths. What the stub leaves out
-is triton's launcher itself.
+lists, on its small-M (GEMV at one token: the one launch an eager call takes there, see
+``plan.eager_form``) and blocked (4 launches) paths. What the stub leaves out is triton's launcher
+itself.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def measure_triton(calls: int = 20000) -> dict[str, float]:
 
     P.Launch.__call__ = stub
     res = {}
-    for M, path in ((1, "small-M GEMV path, 2 launches"), (32, "blocked path, 4 launches")):
+    for M, path in ((1, "small-M GEMV path, its one-launch eager form"), (32, "blocked path, 4 launches")):
         x = torch.randn(M, K, dtype=torch.bfloat16)
         ids = torch.randint(0, E, (M, top_k), dtype=torch.int32)
         w = torch.rand(M, top_k)
