@@ -498,6 +498,28 @@ def test_interp_gemv_fused_matches_two_launches(variant, bk, split1, split2):
 
 
 @inner
+def test_interp_prepare_keeps_the_eager_form_only_where_it_timed_faster(monkeypatch):
+    # _warm (run at prepare on a GPU) launches both forms, times eager calls of each and drops the
+    # one launch where it is no faster; the timings are stubbed here (the interpreter does not warm)
+    from b12x_ops.backends import triton as T
+    layer = make_layer(E=6, K=64, N=32, top_k=2, seed=5)
+    h = layer.prepare(backend="triton", max_tokens=2)
+    st = h._state
+    gp = st.plans
+    assert sorted(gp.eager_runners) == [1, 2]
+    launched = []
+    monkeypatch.setattr(T, "_launch", lambda state, rn, *a: launched.append(rn.cfg.fused))
+    for cap, (two, one), kept in ((1, (2.0, 1.0), True), (2, (1.0, 1.0), False)):
+        times = iter((two, one))
+        monkeypatch.setattr(T, "_eager_seconds", lambda fn: (fn(), next(times))[1])
+        launched.clear()
+        T._warm(st, cap)
+        assert launched == [False, True, False, True]  # (both warmed, then each timed)
+        assert (cap in gp.eager_runners) == kept
+        assert gp.runner_for(cap, lambda: False).cfg.fused == kept
+
+
+@inner
 def test_interp_gemv_fused_is_the_eager_form_where_it_applies(monkeypatch):
     # plans stay two launches (what graph capture records); the GEMV path without xq also gets a
     # one-launch form, which calls outside capture take, unless B12X_OPS_TRITON_GEMV_FUSED=0
