@@ -325,7 +325,7 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     m = x.shape[0]
     cfg = rn.cfg
     S = m * state.plans.geometry.top_k
-    if cfg.gemv:  # two launches, or three with x quantized first; no routing pass (see kernels.gemv1_kernel)
+    if cfg.gemv:  # one launch (fused), two, or three with x quantized first; no routing pass (kernels.gemv1_kernel)
         ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         x16, x_fp16 = x.view(torch.int16), int(x.dtype == torch.float16)
         if cfg.fused:  # one launch (kernels.gemv_fused_kernel)

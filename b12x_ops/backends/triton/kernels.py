@@ -20,7 +20,8 @@ Both GEMMs are computed transposed, ``W[e] tile @ rows^T``: see "Blocked GEMMs" 
 
 Padding and foreign slots are routed to no block, so they cost no GEMM work; blocks past the
 batch's real ones exit at their first load. The small-M path is two or three launches,
-``xquant`` (from a few tokens on), ``gemv1`` and ``gemv2`` (see there).
+``xquant`` (from a few tokens on), ``gemv1`` and ``gemv2`` (see there), or for some eager calls
+one, ``gemv_fused_kernel``.
 """
 
 from __future__ import annotations

@@ -644,8 +644,6 @@ class GeometryPlans:
         if eager is not None:
             self.reserve(cap, eager)
             self.eager_runners[cap] = self.runner(eager, cap)
-        else:
-            self.eager_runners.pop(cap, None)
 
 
 # ------------------------------------------------------------------------------- tuning cache
