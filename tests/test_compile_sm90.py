@@ -162,10 +162,9 @@ def test_stage_kernels_wait_for_the_previous_launch_first_under_pdl(offline, pdl
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
-    """The one-launch GEMV (``gemv_fused_kernel``, what eager calls launch at 1-2 tokens): both
+    """The one-launch GEMV (``gemv_fused_kernel``, what eager calls launch at 1-4 tokens): both
     roles' decodes stay in the MMA operand layout, four 4-warp programs fit an SM, the counts are
     released and the waits acquire."""
-    import dataclasses
     import re
 
     from b12x_ops.backends.triton import plan as P
@@ -173,9 +172,9 @@ def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
     g = offline._geometry(GEOMETRIES[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
     gp.ptx = gp.fold = True
-    for M in (1, 2):
-        cfg = dataclasses.replace(P.default_config(M, g), fused=True)
-        assert cfg.gemv and not cfg.xq
+    for M in (1, 2, 3, 4):
+        cfg = P.eager_form(P.default_config(M, g))
+        assert cfg.gemv and cfg.fused and not cfg.xq
         stages = gp.stages(cfg, M)
         assert [s is None for s in stages] == [True, False, True, True]
         ck = offline.compile_launch(stages[1], 90)

@@ -323,15 +323,15 @@ def test_gpu_gemv_fused_matches_two_launches(name):
 
     layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
     ref = layer.prepare(backend="reference")
-    h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=2, frozen=False)
+    h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, frozen=False)
     st = h._state
     g = st.plans.geometry
-    for M in (1, 2):
+    for M in (1, 2, 3, 4):
         base = P.default_config(M, g, gemv=True)
-        assert not base.xq
+        assert base.xq == (M >= P.GEMV_XQ_TOKENS)
         for split1, split2 in ((base.split1, base.split2), (1, 1), (3, 2 * g.top_k)):
             two = dataclasses.replace(base, split1=split1, split2=split2, fused=False)
-            one = dataclasses.replace(two, fused=True)
+            one = dataclasses.replace(two, fused=True, xq=False)  # (x quantized on the fly)
             st.plans.reserve(M, two)
             st.plans.reserve(M, one)
             x, ids, w = make_batch(layer, M, seed=60 + M, device="cuda", padding_rows=M // 2)
@@ -349,7 +349,7 @@ def test_gpu_gemv_fused_matches_two_launches(name):
                                          (61, 62))
     # through the op: an eager call takes the one launch, a captured call the two, with the same bits
     gp = st.plans
-    for M in (1, 2):
+    for M in (1, 2, 3, 4):
         cap = gp.cap_for(M)  # (prepare keeps the eager form only where it timed faster: here, always)
         gp.eager_runners[cap] = gp.runner(P.eager_form(gp.runners[cap].cfg), cap)
         assert gp.runner_for(M, torch.cuda.is_current_stream_capturing).cfg.fused

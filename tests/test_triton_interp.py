@@ -521,8 +521,8 @@ def test_interp_prepare_keeps_the_eager_form_only_where_it_timed_faster(monkeypa
 
 @inner
 def test_interp_gemv_fused_is_the_eager_form_where_it_applies(monkeypatch):
-    # plans stay two launches (what graph capture records); the GEMV path without xq also gets a
-    # one-launch form, which calls outside capture take, unless B12X_OPS_TRITON_GEMV_FUSED=0
+    # plans stay separate launches (what graph capture records); the GEMV path also gets a one-launch
+    # form (x quantized on the fly), which calls outside capture take, unless B12X_OPS_TRITON_GEMV_FUSED=0
     layer = make_layer(E=8, K=64, N=32, top_k=4)
     h = layer.prepare(backend="triton", max_tokens=8)
     g = h._state.plans.geometry
@@ -530,22 +530,24 @@ def test_interp_gemv_fused_is_the_eager_form_where_it_applies(monkeypatch):
         cfg = P.default_config(M, g)
         assert not cfg.fused
         eager = P.eager_form(cfg)
-        assert (eager is not None) == (cfg.gemv and not cfg.xq), M
-        assert eager is None or eager == dataclasses.replace(cfg, fused=True)
+        assert (eager is not None) == cfg.gemv, M
+        assert eager is None or eager == dataclasses.replace(cfg, fused=True, xq=False)
     monkeypatch.setattr(P, "GEMV_FUSED_EAGER", False)
     assert not any(P.eager_form(P.default_config(M, g)) for M in (1, 2, 3, 4, 8))
     monkeypatch.setattr(P, "GEMV_FUSED_EAGER", True)
     # through the op (a geometry of its own: plans are shared per geometry): a call launches the
-    # fused kernel at 1-2 tokens, a call under capture the two launches, with the same bits
+    # fused kernel at 1-4 tokens (x quantized first at 3-4 in the plan), a call under capture the
+    # separate launches, with the same bits
     from b12x_ops.backends import triton as T
     layer = make_layer(E=7, K=64, N=32, top_k=3, seed=11, limit=5.0)
     h = layer.prepare(backend="triton", max_tokens=4)
     gp = h._state.plans
-    assert sorted(gp.eager_runners) == [c for c in gp.caps if c <= 2]
-    for M in (1, 2):
+    assert sorted(gp.eager_runners) == [c for c in gp.caps if c <= 4]
+    assert gp.runner_for(4).cfg.xq
+    for M in (1, 2, 3, 4):
         assert gp.runner_for(M, lambda: False).cfg.fused
         assert not gp.runner_for(M, lambda: True).cfg.fused and not gp.runner_for(M).cfg.fused
-        x, ids, w = make_batch(layer, M, seed=M, padding_rows=M - 1)
+        x, ids, w = make_batch(layer, M, seed=M, padding_rows=min(M - 1, 2))
         launched = []
         real = T._launch
         monkeypatch.setattr(T, "_launch", lambda st, rn, *a: (launched.append(rn.cfg.fused), real(st, rn, *a)))
@@ -557,7 +559,6 @@ def test_interp_gemv_fused_is_the_eager_form_where_it_applies(monkeypatch):
         monkeypatch.setattr(T, "_launch", real)
         assert launched == [True, False]
         assert torch.equal(got, want)
-    assert not gp.runner_for(4, lambda: False).cfg.fused  # (x quantized first: two launches always)
 
 
 @inner

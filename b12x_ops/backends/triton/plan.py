@@ -215,16 +215,18 @@ GEMV_FUSED_EAGER = os.environ.get("B12X_OPS_TRITON_GEMV_FUSED", "1") != "0"
 def gemv_fused_status() -> str:
     """Whether eager calls launch the GEMV path as one kernel, and why (``b12x-ops info``)."""
     if GEMV_FUSED_EAGER:
-        return (f"on: calls of fewer than {GEMV_XQ_TOKENS} tokens outside CUDA-graph capture launch gemv1 and "
-                "gemv2 as one kernel where prepare timed that faster (B12X_OPS_TRITON_GEMV_FUSED=0 turns it off)")
+        return (f"on: calls of up to {GEMV_MAX_TOKENS} tokens (the GEMV path) outside CUDA-graph capture launch "
+                "gemv1 and gemv2 as one kernel where prepare timed that faster (B12X_OPS_TRITON_GEMV_FUSED=0 turns "
+                "it off)")
     return "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
 
 
 def eager_form(cfg: "Config") -> "Config | None":
     """What a call of ``cfg``'s plan launches outside CUDA-graph capture where that differs from
-    ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``, the GEMV path without ``xq``), else None."""
-    if GEMV_FUSED_EAGER and cfg.gemv and not cfg.xq and not cfg.fused:
-        return dataclasses.replace(cfg, fused=True)
+    ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``; where ``cfg`` quantizes x in a launch
+    of its own, the one launch quantizes it on the fly with the same tiles), else None."""
+    if GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused:
+        return dataclasses.replace(cfg, fused=True, xq=False)
     return None
 
 
