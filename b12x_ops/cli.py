@@ -136,6 +136,7 @@ def _print_triton_launch(device) -> None:
     _, why = plan.pdl_status(device)
     print(f"triton programmatic dependent launch: {why}")
     print(f"triton one-launch GEMV for eager calls: {plan.gemv_fused_status()}")
+    print(f"triton Gluon GEMM1 for large batches: {plan.gluon_status(device)[1]}")
 
 
 def _parse_geometry(text: str) -> tuple[int, int, int, int]:

@@ -103,7 +103,11 @@ def loop_profile(cubin: bytes) -> list[tuple[int, collections.Counter]]:
 
 def compile_launch(launch: P.Launch, arch: int):
     sig, attrs = signature(launch)
-    src = ASTSource(launch.fn, sig, dict(launch.constexprs), attrs)
+    if getattr(launch.fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        src = GluonASTSource(launch.fn, sig, dict(launch.constexprs), attrs)
+    else:
+        src = ASTSource(launch.fn, sig, dict(launch.constexprs), attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(launch.options))
 

@@ -186,3 +186,39 @@ def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
         # (spellings vary by version: an unused result makes the count a red.release)
         mem = [ln for ln in ptx.splitlines() if re.search(r"\b(atom|red|ld)\.", ln)]
         assert any("acquire" in ln for ln in mem) and any("release" in ln for ln in mem)
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+@pytest.mark.parametrize("fold", [True, False])
+def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
+    """The Gluon GEMMs (``gluon_kernels``; opt-in on sm_90, ``plan.gluon_status``) compile for
+    sm_90: the decode's asm in the wgmma operand's registers (the kernels' ``assert_trivial``
+    conversions would fail the compile otherwise), the main loop's wait leaving the step's two MMAs
+    in flight (``wgmma.wait_group`` 2, which ptxas keeps: it would drain to 0 where the operand
+    registers were reused too early), and no spills."""
+    import dataclasses
+    import re
+
+    import triton
+
+    from b12x_ops.backends.triton import plan as P
+
+    g = offline._geometry(GEOMETRIES[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=fold)
+    gp.ptx, gp.fold, gp.dot_dtype = True, fold, triton.language.bfloat16
+    gp.gluon = True
+    big = gp.with_gluon(P.default_config(8192, g))
+    assert big.gluon
+    forms = [(1, big), (2, dataclasses.replace(big, gluon2=True, bn2=128, bk2=64, stages2=4)),
+             (2, dataclasses.replace(big, gluon2=True, bn2=256, bk2=64, stages2=4)),
+             (1, dataclasses.replace(big, bm=64, bn1=64))]
+    for which, cfg in forms:
+        ln = gp.stages(cfg, 8192)[which]
+        ck = offline.compile_launch(ln, 90)
+        ptx, what = ck.asm["ptx"], (which, cfg.tiles1(), cfg.tiles2())
+        assert "0x01000100" in ptx and ("0x7E807E80" in ptx) != fold, what
+        assert "wgmma.mma_async" in ptx and "cp.async" in ptx, what
+        assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+2;", ptx), what
+        sass = offline._cuobjdump(ck.asm["cubin"], "-sass")
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass, what
+        assert "LOCAL:0" in offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", ""), what

@@ -363,6 +363,62 @@ def test_gpu_gemv_fused_matches_two_launches(name):
         assert torch.equal(out, eager), (name, M)
 
 
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b", "odd-3x96", "odd-ep"])
+def test_gpu_gluon_gemms_match_tl_gemms(name):
+    """The GEMMs in Gluon (``gluon_kernels``: asynchronous MMAs under the next step's decode; sm_90)
+    write the same bits as the ``tl.dot`` GEMMs of the same block size and K step (GEMM1's
+    intermediate activations, GEMM2's per-slot rows of the deterministic form), for both tile
+    heights, several K steps and pipeline depths, tails of K and N, padding, both W13 layouts, the
+    limit and the global scales; and the whole op with both stays within the reference's bound.
+    (One routing pass serves each comparison: with several routing programs the order of a block's
+    rows depends on their atomics.)"""
+    import dataclasses
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import gluon_kernels as GK
+    from b12x_ops.backends.triton import plan as P
+
+    if torch.cuda.get_device_capability() != (9, 0) or not GK.HAS_GLUON:
+        pytest.skip("the Gluon GEMMs need sm_90 (wgmma) and triton's Gluon")
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    h = layer.prepare(backend="triton", tune=False, gemv=False, max_tokens=700, frozen=False)
+    st = h._state
+    g = st.plans.geometry
+    for i, M in enumerate((37, 700)):
+        x, ids, w = make_batch(layer, M, seed=80 + i, device="cuda", padding_rows=3)
+        out = torch.empty_like(x)
+        for bm in (64, 128):
+            base = dataclasses.replace(P.default_config(M, g, gemv=False), bm=bm, atomic=False)
+            st.plans.reserve(M, base)
+            _launch_all(st, base, x, ids, w, out, stages=("prologue",))
+            act, slots = st.plans.arena.buffers["act"], st.plans.arena.buffers["slots"]
+            for bn1, bk, stages in ((64, 128, 4), (64, 64, 4), (128, 64, 4), (128, 128, 3), (64, 64, 6)):
+                tl1 = dataclasses.replace(base, bn1=bn1, bk1=bk, warps1=4 * bn1 // 64, stages1=2)
+                act.fill_(7)
+                _launch_all(st, tl1, x, ids, w, out, stages=("gemm1",))
+                want = act.clone()
+                act.fill_(7)
+                _launch_all(st, dataclasses.replace(tl1, gluon=True, stages1=stages), x, ids, w, out,
+                            stages=("gemm1",))
+                assert torch.equal(act.view(torch.int16), want.view(torch.int16)), ("gemm1", name, M, bm, bn1, bk)
+            for bn2, bk, stages in ((128, 64, 4), (256, 64, 4), (128, 128, 3), (256, 128, 4)):
+                tl2 = dataclasses.replace(base, bn2=bn2, bk2=bk, warps2=4 * bn2 // 128, stages2=2)
+                slots.fill_(7)
+                _launch_all(st, tl2, x, ids, w, out, stages=("gemm2",))
+                want = slots.clone()
+                slots.fill_(7)
+                _launch_all(st, dataclasses.replace(tl2, gluon2=True, stages2=stages), x, ids, w, out,
+                            stages=("gemm2",))
+                assert torch.equal(slots, want), ("gemm2", name, M, bm, bn2, bk)
+            for atomic in (False, True):
+                both = dataclasses.replace(base, gluon=True, bn1=128, bk1=64, stages1=4, gluon2=True, bn2=256,
+                                           bk2=64, stages2=4, atomic=atomic)
+                st.plans.reserve(M, both)
+                _launch_all(st, both, x, ids, w, out)
+                assert rel_l2(out, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, (name, M, bm, atomic)
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "odd-ep"])
 def test_gpu_every_tile_candidate_matches_reference(name):
     """Every configuration the tuner may pick (GEMV and blocked tiles, 4- and 8-warp programs)

@@ -104,3 +104,33 @@ def test_gemv_splits_are_valid_for_any_layer(E, K, N, top_k, tokens):
     # gemv1's programs: about _GEMV1_PROGRAMS, or one step each when the slots x tiles are few
     programs = slots * -(-N // 64) * cfg.split1
     assert cfg.split1 == 1 or programs <= P._GEMV1_PROGRAMS + slots * -(-N // 64) * 2
+
+
+@pytest.mark.parametrize("name", list(GEOS))
+def test_gluon_gemm1_takes_the_large_block_plans_only(name, monkeypatch):
+    """Where the Gluon GEMM1 is on (``plan.GLUON_GEMM1``: asked for, sm_90), a plan of 128-row expert
+    blocks gets it, in its measured tile; smaller blocks and the GEMV path keep the tl.dot kernels;
+    by default, and on a CPU geometry, it is off (``gluon_status`` says why)."""
+    g = geometry(*GEOS[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
+    assert not gp.gluon  # (a dry plan, on the CPU)
+    assert P.gluon_status(torch.device("cpu"))[1].startswith("off by default")
+    monkeypatch.setenv("B12X_OPS_TRITON_GLUON", "1")
+    assert P.gluon_status(torch.device("cpu"))[1] in ("off: needs an sm_90 CUDA device (got cpu)",
+                                                      "off: this triton has no Gluon with Hopper's wgmma",
+                                                      "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)")
+    gp.gluon = True  # (as an sm_90 prepare sets it)
+    seen = set()
+    for tokens in (1, 4, 16, 64, 512, 2048, 8192):
+        cfg = P.default_config(tokens, g)
+        got = gp.with_gluon(cfg)
+        if cfg.gemv or cfg.bm < P.GLUON_MIN_BM:
+            assert got == cfg
+        else:
+            assert got.gluon and not got.gluon2
+            assert (got.bn1, got.bk1, got.stages1, got.warps1) == (128, 64, 4, 8)
+            assert got.bm == cfg.bm and got.tiles2() == cfg.tiles2() and got.atomic == cfg.atomic
+            seen.add(tokens)
+    assert 8192 in seen  # (the largest batches always run 128-row blocks)
+    gp.gluon = False
+    assert gp.with_gluon(P.default_config(8192, g)) == P.default_config(8192, g)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gluon_kernels as GK
 from . import kernels as K_
 
 log = logging.getLogger("b12x_ops.triton")
@@ -90,6 +91,11 @@ class Config:
     xq: bool = False
     # the GEMV path without xq only: gemv1 and gemv2 as one launch (``kernels.gemv_fused_kernel``)
     fused: bool = False
+    # the blocked path on sm_90 only: GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``: bn1 = 64
+    # or 128 in bn1 / 8 warps, stages1 >= 3), its MMAs asynchronous under the next step's decode;
+    # ``gluon2`` the same for GEMM2 (``gemm2_gluon_kernel``: bn2 = 128 or 256 in bn2 / 16 warps)
+    gluon: bool = False
+    gluon2: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -153,6 +159,35 @@ def pdl_status(device) -> tuple[bool, str]:
     if cc[0] < 9:
         return False, f"off: needs sm_90 or newer (got sm_{cc[0]}{cc[1]})"
     return True, "on (B12X_OPS_TRITON_PDL=1)"
+
+
+# GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``) on sm_90: its MMAs run asynchronously under
+# the next K step's decode, which ``tl.dot`` cannot express. Opt-in (B12X_OPS_TRITON_GLUON=1) for
+# plans of 128-row expert blocks, in this tile: 128 columns of up and of gate a program (16 warps),
+# 64-element steps, 4 stages. It is off by default: on the H200 it was 1.2-1.5x faster than the
+# tl.dot GEMM1 at 128-row blocks, but some runs differ from the tl.dot kernel's bits and one whole-op
+# run gave NaN (``benchmarks/NOTES.md``); what races is not yet found.
+GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=8)
+GLUON_MIN_BM = 128
+
+
+def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
+    """Whether plans on ``device`` take the Gluon GEMM1 (``GLUON_GEMM1``), and why (``b12x-ops info``)."""
+    if os.environ.get("B12X_OPS_TRITON_GLUON", "0") != "1":
+        return False, "off by default (B12X_OPS_TRITON_GLUON=1 turns it on; some H200 runs differ from the tl.dot bits)"
+    if INTERPRET:
+        return False, "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
+    if not GK.HAS_GLUON:
+        return False, "off: this triton has no Gluon with Hopper's wgmma"
+    if device is None or torch.device(device).type != "cuda":
+        return False, f"off: needs an sm_90 CUDA device (got {device})"
+    cc = torch.cuda.get_device_capability(device)
+    if cc != (9, 0):
+        return False, f"off: its wgmma needs sm_90 (got sm_{cc[0]}{cc[1]})"
+    if not ptx:
+        return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
+    return True, (f"on: GEMM1 of blocked calls with {GLUON_MIN_BM}-row expert blocks runs in Gluon, its MMAs under "
+                  "the next step's decode (B12X_OPS_TRITON_GLUON=1)")
 
 
 def _stages(bk: int, stages: int) -> int:
@@ -480,6 +515,7 @@ class GeometryPlans:
         self.dot_dtype = tl.float32 if INTERPRET else tl.bfloat16
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
         self.pdl = pdl_status(g.device)[0] if pdl is None else bool(pdl)
+        self.gluon = False if dry else gluon_status(g.device, self.ptx)[0]  # (GLUON_GEMM1)
 
     # ---- per call
     def cap_for(self, m: int) -> int:
@@ -543,8 +579,12 @@ class GeometryPlans:
             key = ("gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2",) + cfg.tiles2()
+        elif kind == "gemm1" and cfg.gluon:
+            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
+        elif kind == "gemm2" and cfg.gluon2:
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
         elif kind == "gemm2":
             key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
         else:
@@ -580,12 +620,29 @@ class GeometryPlans:
             else:  # (gemm2: the GEMV path has no finalize)
                 ln = mk(K_.gemv2_kernel, dict(gv, BN=cfg.bn2, BK=cfg.bk2, SPLIT=cfg.split2, STAGES=st2),
                         cfg.warps2, st2)
+        elif kind == "gemm1" and cfg.gluon:
+            if not self.ptx or not GK.HAS_GLUON or cfg.bn1 not in (64, 128) or cfg.stages1 < 3:
+                raise ValueError(f"b12x_ops triton backend: no Gluon GEMM1 for {cfg} (it needs the inline-PTX "
+                                 "decode, triton's Gluon, bn1 = 64 or 128 and stages1 >= 3)")
+            ln = mk(GK.gemm1_gluon_kernel,
+                    dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+                         HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
+                         BK=cfg.bk1, STAGES=cfg.stages1, FOLD=self.fold),
+                    cfg.bn1 // 8, 1)
         elif kind == "gemm1":
             ln = mk(K_.gemm1_kernel,
                     dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                          HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
                          BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
                     cfg.warps1, _stages(cfg.bk1, cfg.stages1))
+        elif kind == "gemm2" and cfg.gluon2:
+            if not self.ptx or not GK.HAS_GLUON or cfg.bn2 not in (128, 256) or cfg.stages2 < 3:
+                raise ValueError(f"b12x_ops triton backend: no Gluon GEMM2 for {cfg} (it needs the inline-PTX "
+                                 "decode, triton's Gluon, bn2 = 128 or 256 and stages2 >= 3)")
+            ln = mk(GK.gemm2_gluon_kernel,
+                    dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
+                         BN=cfg.bn2, BK=cfg.bk2, STAGES=cfg.stages2, FOLD=self.fold),
+                    cfg.bn2 // 16, 1)
         elif kind == "gemm2":
             ln = mk(K_.gemm2_kernel,
                     dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
@@ -637,7 +694,15 @@ class GeometryPlans:
         else:
             a.need("slots", S * g.hidden_size, torch.float32)
 
+    def with_gluon(self, cfg: Config) -> Config:
+        """``cfg`` with its GEMM1 in Gluon where this GPU takes it and the plan's blocks are large
+        enough (``GLUON_GEMM1``)."""
+        if self.gluon and not cfg.gemv and cfg.bm >= GLUON_MIN_BM and not cfg.gluon:
+            return dataclasses.replace(cfg, gluon=True, **GLUON_GEMM1)
+        return cfg
+
     def add(self, cap: int, cfg: Config) -> None:
+        cfg = self.with_gluon(cfg)
         self.configs[cap] = cfg
         self.caps = sorted(self.configs)
         self.reserve(cap, cfg)

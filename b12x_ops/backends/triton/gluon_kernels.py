@@ -1,0 +1,351 @@
+"""The blocked GEMMs for large batches on Hopper, in Gluon (``triton.experimental.gluon``): the MMAs
+of one K step run while the next step's weights are decoded.
+
+``kernels.gemm1_kernel`` and ``gemm2_kernel`` compute the same tiles with ``tl.dot``. There each
+step's MMAs finish before the next step's decode, so the decode and the tensor cores take turns;
+at large M that bounds them (``benchmarks/NOTES.md``). Gluon spells out what ``tl.dot`` does not
+express:
+
+* **asynchronous wgmma with the decoded operand in registers.** Step k's two MMAs (even and odd
+  elements) are issued and left in flight (``warpgroup_mma_wait`` with 2 outstanding) while step
+  k + 1 is decoded. ptxas keeps an in-flight MMA's operand registers from being reused: where it
+  cannot, it drains the MMAs instead (``tests/test_compile_sm90.py`` checks the loop keeps 2);
+* **explicit copies.** The codes and the activations of step k + STAGES - 2 are copied
+  asynchronously (``cp.async``) into a ring of STAGES buffers while step k is multiplied. A buffer
+  is refilled only after every warp has waited for the MMAs that read it (the barrier at the top
+  of a step), and the ring is drained (a wait and a barrier) before the epilogue reuses its shared
+  memory;
+* **warpgroups of one tile.** A program's ``R / 16`` warps each take a 16-row group of the
+  operand's ``R`` rows (a warpgroup 64 rows). In GEMM1 the first half of the warpgroups holds the
+  up rows and the rest the gate rows; both read the same activations, and the epilogue meets up
+  and gate in shared memory.
+
+The layouts are the ones ``tl.dot`` is compiled to: the loaded ``[groups, chunks, 32, 16]`` code tile
+(a warp a group) becomes the wgmma's first operand after ``mxtl.repacked_to_operand``'s reshape and
+permute, and ``convert_layout(..., assert_trivial=True)`` fails the compilation unless that moves no
+data. The products, their order within a step and the epilogues' arithmetic are the ``tl.dot``
+kernels', so for the same tile and K step both write the same bits (``tests/test_triton_gpu.py``
+checks it on the GPU; Triton's CPU interpreter does not run Gluon).
+
+This module imports where the installed triton has Gluon with Hopper's wgmma (``HAS_GLUON``); the
+plans take GEMM1 from here on sm_90 only (``plan.gluon_status``); GEMM2 is opt-in (``Config.gluon2``).
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    # (triton 3.6's name for cp.async into shared memory; later versions call it async_load)
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    # (and its thread_barrier: a CTA barrier, later ``barrier``)
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - a triton without Gluon
+    HAS_GLUON = False
+
+from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _split_col(c):
+        """``kernels.split_col``."""
+        return (c // 32) * 32 + (c % 2) * 16 + (c % 32) // 2
+
+    @gluon.jit
+    def _round_e4m3(v):
+        """``mxtl.round_e4m3``."""
+        a = gl.abs(v)
+        bits = a.to(gl.int32, bitcast=True)
+        lsb = (bits >> 20) & 1
+        normal = ((bits + 0x7FFFF + lsb) & -1048576).to(gl.float32, bitcast=True)
+        sub = (a + 16384.0) - 16384.0
+        r = gl.where(a >= 0.015625, normal, sub)
+        return gl.where(v < 0, -r, r)
+
+    @gluon.jit
+    def _to_operand(t, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr):
+        """``mxtl.repacked_to_operand``: a ``[G, Q, 32, 16]`` tile as the ``[R, BKH]`` operand tile."""
+        t = gl.reshape(t, (G, Q, 8, 4, 2, 2, 2, 2))  # g, q, r0, c, s, kh, rh, kk
+        t = gl.permute(t, (0, 6, 2, 1, 4, 5, 3, 7))  # g, rh, r0, q, s, kh, c, kk
+        return gl.reshape(t, (R, BKH))
+
+    @gluon.jit
+    def _tile_index(R: gl.constexpr, BK: gl.constexpr, code_l: gl.constexpr, s5_l: gl.constexpr):
+        """Index vectors of the code tile (``g, q, lane, byte``) and of its scale bytes
+        (``g, q, lane, s, rh``), each in its slice of the kernel's layouts."""
+        G: gl.constexpr = R // 16
+        Q: gl.constexpr = BK // 64
+        g_c = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
+        q_c = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
+        l_c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, code_l))))
+        b_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, code_l))))
+        g_s = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
+        q_s = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
+        l_s = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
+        s_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, s5_l)))))
+        h_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5_l)))))
+        return g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s
+
+    @gluon.jit
+    def _mainloop(w_g, gvalid, s_row, s_ok, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
+                  BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+                  code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
+        """``W tile @ rows^T`` over the reduction (length ``RED``), fp32 ``[R, BM]`` in the wgmma layout.
+
+        ``w_g``: ``[G]`` pointers to the tile's repacked row groups (``gvalid``: which exist);
+        ``s_row``: ``[G, 1, 32, 1, 2]`` pointers to the scale bytes of each lane's rows (``s_ok``:
+        which exist); ``x_rows``: ``[BM, BKH]`` pointers to the activations a step's even elements
+        start at (split layout; the odd ones are 16 further), ``rvalid_x`` which rows are real."""
+        BKH: gl.constexpr = BK // 2
+        G: gl.constexpr = R // 16
+        Q: gl.constexpr = BK // 64
+        KH: gl.constexpr = RED // 2
+        KS: gl.constexpr = RED // 32
+        NQ: gl.constexpr = (KH + 31) // 32
+        D: gl.constexpr = STAGES - 2
+        NSTEP: gl.constexpr = (RED + BK - 1) // BK
+        x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
+        c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(R, BK, code_l, s5_l)
+        c_src = (w_g[:, None, None, None] + (q_c[None, :, None, None] * 32 + l_c[None, None, :, None]) * 16
+                 + b_c[None, None, None, :])
+        c_ok = gvalid[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
+        sblk = 2 * q_s[None, :, None, None, None] + s_s[None, None, None, :, None]  # 32-element block of the step
+        s_src = s_row + sblk
+        offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
+
+        c_s = gl.allocate_shared_memory(gl.uint8, [STAGES, G, Q, 32, 16], c_sl)
+        xe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BKH], x_sl)
+        xo_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BKH], x_sl)
+        for i0 in gl.static_range(D):  # the first D steps' copies (an empty group past the end)
+            if i0 * BK < RED:
+                xm = rvalid_x[:, None] & ((i0 * BKH + offs_hx) < KH)[None, :]
+                _cp_async(xe_s.index(i0), x_rows + i0 * BK, mask=xm)
+                _cp_async(xo_s.index(i0), x_rows + i0 * BK + 16, mask=xm)
+                _cp_async(c_s.index(i0), c_src + i0 * Q * 512, mask=c_ok & ((i0 * Q + q_c) < NQ)[None, :, None, None])
+            async_copy.commit_group()
+
+        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)  # (scale bytes: a step ahead)
+        acc = gl.zeros([R, BM], gl.float32, layout=mma)
+        for k in range(NSTEP):
+            acc, sb, we, wo = _step(k, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x,
+                                    RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
+            # step k - 1's MMAs are done; step k's stay in flight under step k + 1's decode (ptxas
+            # keeps their operand registers from being reused until this wait covers them)
+            acc, we, wo = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we, wo])
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        # every thread's copies (those past the last step write zeros) have landed and every warp is
+        # past its last read of the ring before the caller's shared memory may reuse it
+        async_copy.wait_group(0)
+        _barrier()
+        return acc
+
+    @gluon.jit
+    def _step(k, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED: gl.constexpr,
+              R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+              a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, x_l: gl.constexpr):
+        """``_mainloop``'s step ``k``: wait for its copies, decode it (the previous step's MMAs still
+        run), issue its two MMAs, start the copies of step ``k + STAGES - 2``, load the next step's
+        scale bytes. Returns ``(acc, next scale bytes, even operand, odd operand)``."""
+        BKH: gl.constexpr = BK // 2
+        G: gl.constexpr = R // 16
+        Q: gl.constexpr = BK // 64
+        KH: gl.constexpr = RED // 2
+        KS: gl.constexpr = RED // 32
+        NQ: gl.constexpr = (KH + 31) // 32
+        D: gl.constexpr = STAGES - 2
+        offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
+        q_c = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
+        k0 = k * BK
+        i = k % STAGES
+        # step k's copies have landed once every thread's have; each thread orders its own copies
+        # before the MMAs' reads (the proxy fence), then meets the others (the barrier, which also
+        # means every warp has waited for step k - 2's MMAs, whose buffers the copies below refill)
+        async_copy.wait_group(D - 1)
+        fence_async_shared()
+        _barrier()
+        t = _to_operand(c_s.index(i).load(code_l), G, Q, R, BKH)
+        b = sb
+        if FOLD:
+            b = b + 126
+        sc = (b << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # mxtl._ptx_scales
+        sc = gl.expand_dims(gl.expand_dims(sc, 4), 6)
+        sc = gl.broadcast(sc, gl.full([G, Q, 32, 2, 2, 2, 2], 0, gl.bfloat16, layout=p7))[0]
+        sc = _to_operand(gl.reshape(sc, (G, Q, 32, 16)), G, Q, R, BKH)
+        sc = gl.convert_layout(sc, t.type.layout, assert_trivial=True)
+        asm: gl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
+        we, wo = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [t, sc], dtype=(gl.bfloat16, gl.bfloat16),
+                                           is_pure=True, pack=4)
+        we = gl.convert_layout(we, a_l, assert_trivial=True)
+        wo = gl.convert_layout(wo, a_l, assert_trivial=True)
+        kn = k0 + BK
+        sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
+        acc = warpgroup_mma(we, xe_s.index(i).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(wo, xo_s.index(i).permute((1, 0)), acc, is_async=True)
+        # the copies of step k + D (into the buffers of step k - 2)
+        # (past the reduction's end every element is masked: no global read, but the copy still
+        # writes its zeros, which is why ``_mainloop`` ends with a wait and a barrier)
+        kd = k0 + D * BK
+        j = (k + D) % STAGES
+        xm = rvalid_x[:, None] & ((kd // 2 + offs_hx) < KH)[None, :]
+        _cp_async(xe_s.index(j), x_rows + kd, mask=xm)
+        _cp_async(xo_s.index(j), x_rows + kd + 16, mask=xm)
+        _cp_async(c_s.index(j), c_src + (kd // 64) * 512, mask=c_ok & ((kd // 64 + q_c) < NQ)[None, :, None, None])
+        async_copy.commit_group()
+        return acc, sb, we, wo
+
+    @gluon.jit
+    def _x_rows(ptr, row, RED: gl.constexpr, BK: gl.constexpr, x_l: gl.constexpr):
+        """``_mainloop``'s activation pointers: row ``row`` (``[BM]`` int64) of a ``[., RED]`` split-layout
+        matrix, the even elements of a step's first ``BK``."""
+        BKH: gl.constexpr = BK // 2
+        offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
+        return ptr + row[:, None] * RED + (32 * (offs_hx // 16) + offs_hx % 16)[None, :]
+
+    @gluon.jit(do_not_specialize=("nblocks",))
+    def gemm1_gluon_kernel(
+        xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
+        nblocks, limit,
+        K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, UP_FIRST: gl.constexpr,
+        HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+        BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+    ):
+        """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
+        warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
+        STAGES >= 3 (the copies run STAGES - 2 steps ahead)."""
+        R: gl.constexpr = 2 * BN  # the operand's rows: BN of up (the first half of the warps), then BN of gate
+        G: gl.constexpr = R // 16
+        KS: gl.constexpr = K // 32
+        NQ: gl.constexpr = (K // 2 + 31) // 32
+        UP0: gl.constexpr = 0 if UP_FIRST else N
+        GATE0: gl.constexpr = N if UP_FIRST else 0
+        NT: gl.constexpr = (N + BN - 1) // BN
+        pid = gl.program_id(0)
+        pid_m = pid // NT
+        pid_n = pid % NT
+        e = gl.load(blk_expert_ptr + pid_m)
+        if e < 0:
+            return
+        nrow = gl.load(blk_rows_ptr + pid_m)
+        # the layouts (a warp a 16-row group of the operand): the accumulator, the wgmma's
+        # register operand, the loaded [G, Q, 32, 16] code tile (a lane 16 contiguous bytes a chunk, as
+        # mxtl.load_repacked), the code tile split [g, q, lane, s, kh, rh, kk], its scale bytes
+        # [g, q, lane, s, rh] (rows r0 and r0 + 8 of a lane, a chunk's two 32-element blocks), and the
+        # activation copies' [BM, BK / 2] (16 bytes a thread)
+        NW: gl.constexpr = R // 16  # warps: one a 16-row group
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        code_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        p7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
+                                            [6, 5, 4, 3, 2, 1, 0])
+        s5_l: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(6, p7))
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
+        rvalid_x = offs_r < nrow
+        slot_x = gl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid_x, other=0)
+        x_rows = _x_rows(xq_ptr, (slot_x // TOPK).to(gl.int64), K, BK, x_l)
+        # the tile's row groups: the first G / 2 of up, the rest of gate
+        g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(R, BK, code_l, s5_l)
+        gh = g_c % (G // 2)
+        gw = gl.where(g_c < G // 2, (pid_n * BN + UP0) // 16, (pid_n * BN + GATE0) // 16) + gh
+        w_g = w_ptr + e.to(gl.int64) * (2 * N * NQ * 32) + gw * (NQ * 512)
+        gvalid = (pid_n * BN + 16 * gh) < N
+        r_s = (pid_n * BN + 16 * (g_s % (G // 2)))[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
+            + (l_s // 4)[None, None, :, None, None]  # the lane's intermediate columns
+        s_row = s_ptr + e.to(gl.int64) * (2 * N * KS) \
+            + (r_s + gl.where(g_s < G // 2, UP0, GATE0)[:, None, None, None, None]) * KS
+        acc = _mainloop(w_g, gvalid, s_row, r_s < N, x_rows, rvalid_x, K, R, BM, BK, STAGES, FOLD, mma, a_l, code_l,
+                        p7, s5_l, x_l)
+
+        # epilogue (kernels._store_act): up and gate meet in shared memory; 32 columns at a time, a
+        # thread takes EPT of one token's (SwiGLU, then the MXFP8 quant-dequant of the 32, the
+        # split layout)
+        EPT: gl.constexpr = BM // NW  # (BM // NW divides 32)
+        ep_l: gl.constexpr = gl.BlockedLayout([EPT, 1], [32 // EPT, EPT], [1, NW], [0, 1])
+        acc_s = gl.allocate_shared_memory(gl.float32, [R, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        acc_s.store(acc)
+        _barrier()
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, ep_l))
+        rvalid = offs_m < nrow
+        rows = (pid_m * BM + offs_m).to(gl.int64)
+        for jn in gl.static_range(BN // 32):
+            up = acc_s.slice(32 * jn, 32).load(ep_l)
+            gate = acc_s.slice(BN + 32 * jn, 32).load(ep_l)
+            if HAS_GS:
+                gsc = gl.load(gs_ptr + e)
+                up = up * gsc
+                gate = gate * gsc
+            if HAS_LIMIT:
+                gate = gl.minimum(gate, limit)
+                up = gl.minimum(gl.maximum(up, -limit), limit)
+            act = gate * (1 / (1 + gl.exp(-gate))) * up  # (tl.sigmoid's form)
+            # mxtl.mxfp8_block_scale / mxfp8_apply
+            scale = gl.max(gl.abs(act), axis=0) * 0.002232142857142857
+            bits = scale.to(gl.int32, bitcast=True)
+            upb = gl.where((bits & 0x7FFFFF) != 0, (bits + 0x800000) & 0x7F800000, bits)
+            byte = (upb >> 23) & 0xFF
+            pow2 = upb.to(gl.float32, bitcast=True)
+            inv = (gl.maximum(254 - byte, 0) << 23).to(gl.float32, bitcast=True)
+            inv = gl.where(byte == 0, 0.0, inv)
+            q = _round_e4m3(gl.minimum(gl.maximum(act * inv[None, :], -448.0), 448.0)) * pow2[None, :]
+            offs_n = pid_n * BN + 32 * jn + gl.arange(0, 32, layout=gl.SliceLayout(1, ep_l))
+            gl.store(a_ptr + rows[None, :] * N + _split_col(offs_n)[:, None], q,
+                     mask=rvalid[None, :] & (offs_n < N)[:, None])
+
+    @gluon.jit(do_not_specialize=("nblocks",))
+    def gemm2_gluon_kernel(
+        a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+        nblocks,
+        K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+    ):
+        """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 warps (BN = 128
+        or 256: a warpgroup 64 of the W2 rows), STAGES >= 3."""
+        R: gl.constexpr = BN
+        NS: gl.constexpr = N // 32
+        NQ: gl.constexpr = (N // 2 + 31) // 32
+        NT: gl.constexpr = (K + BN - 1) // BN
+        pid = gl.program_id(0)
+        pid_m = pid // NT
+        pid_n = pid % NT
+        e = gl.load(blk_expert_ptr + pid_m)
+        if e < 0:
+            return
+        nrow = gl.load(blk_rows_ptr + pid_m)
+        # (the layouts: gemm1_gluon_kernel's)
+        NW: gl.constexpr = R // 16  # warps: one a 16-row group
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        code_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
+        p7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
+                                            [6, 5, 4, 3, 2, 1, 0])
+        s5_l: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(6, p7))
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        # the block's rows of a (block-ordered: rows pid_m * BM ..)
+        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
+        x_rows = _x_rows(a_ptr, (pid_m * BM + offs_r).to(gl.int64), N, BK, x_l)
+        g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(BN, BK, code_l, s5_l)
+        w_g = w_ptr + e.to(gl.int64) * (K * NQ * 32) + (pid_n * BN // 16 + g_c) * (NQ * 512)
+        r_s = (pid_n * BN + 16 * g_s)[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
+            + (l_s // 4)[None, None, :, None, None]  # the lane's output rows
+        s_row = s_ptr + e.to(gl.int64) * (K * NS) + r_s * NS
+        acc = _mainloop(w_g, (pid_n * BN + 16 * g_c) < K, s_row, r_s < K, x_rows, offs_r < nrow, N, BN, BM, BK,
+                        STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
+        # epilogue (kernels._reduce_rows), in the accumulator's layout
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        rvalid = offs_m < nrow
+        slot = gl.load(sorted_ptr + pid_m * BM + offs_m, mask=rvalid, other=0)
+        offs_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        if HAS_GS:
+            acc = acc * gl.load(gs_ptr + e)
+        acc = acc * gl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]
+        msk = (offs_o < K)[:, None] & rvalid[None, :]
+        if ATOMIC:
+            tok = (slot // TOPK).to(gl.int64)
+            gl.atomic_add(dst_ptr + tok[None, :] * K + offs_o[:, None], acc, mask=msk, sem="relaxed")
+        else:
+            gl.store(dst_ptr + slot.to(gl.int64)[None, :] * K + offs_o[:, None], acc, mask=msk)
