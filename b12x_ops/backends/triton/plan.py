@@ -164,9 +164,11 @@ def pdl_status(device) -> tuple[bool, str]:
 # GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``) on sm_90: its MMAs run asynchronously under
 # the next K step's decode, which ``tl.dot`` cannot express. Opt-in (B12X_OPS_TRITON_GLUON=1) for
 # plans of 128-row expert blocks, in this tile: 128 columns of up and of gate a program (16 warps),
-# 64-element steps, 4 stages. It is off by default: on the H200 it was 1.2-1.5x faster than the
-# tl.dot GEMM1 at 128-row blocks, but some runs differ from the tl.dot kernel's bits and one whole-op
-# run gave NaN (``benchmarks/NOTES.md``); what races is not yet found.
+# 64-element steps, 4 stages. Off by default because it is not faster everywhere. H200, GEMM1 alone,
+# the same bits as the tl.dot GEMM1 of that tile (``benchmarks/results/gluon_gemms.md``): gpt-oss
+# M = 8192 3878 -> 3712 us, Qwen3 M = 2048 476 -> 446, M = 8192 1557 -> 1335 (-4 to -14 %), but
+# DSv4 M = 8192 2022 -> 2454. (A form reading the decoded operand from registers was 1.2-1.5x
+# faster, but its next decode could overwrite registers an MMA still read: wrong bits in some runs.)
 GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=8)
 GLUON_MIN_BM = 128
 
@@ -174,7 +176,8 @@ GLUON_MIN_BM = 128
 def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
     """Whether plans on ``device`` take the Gluon GEMM1 (``GLUON_GEMM1``), and why (``b12x-ops info``)."""
     if os.environ.get("B12X_OPS_TRITON_GLUON", "0") != "1":
-        return False, "off by default (B12X_OPS_TRITON_GLUON=1 turns it on; some H200 runs differ from the tl.dot bits)"
+        return False, ("off by default (B12X_OPS_TRITON_GLUON=1 turns it on; on the H200 it is faster for some "
+                       "geometries and slower for others)")
     if INTERPRET:
         return False, "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
     if not GK.HAS_GLUON:
