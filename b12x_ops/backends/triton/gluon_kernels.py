@@ -48,25 +48,27 @@ try:
 except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON = False
 
-from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD
+from .kernels import _block_tile, _swiglu, split_col
+from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON:
 
-    @gluon.jit
-    def _split_col(c):
-        """``kernels.split_col``."""
-        return (c // 32) * 32 + (c % 2) * 16 + (c % 32) // 2
-
-    @gluon.jit
-    def _round_e4m3(v):
-        """``mxtl.round_e4m3``."""
-        a = gl.abs(v)
-        bits = a.to(gl.int32, bitcast=True)
-        lsb = (bits >> 20) & 1
-        normal = ((bits + 0x7FFFF + lsb) & -1048576).to(gl.float32, bitcast=True)
-        sub = (a + 16384.0) - 16384.0
-        r = gl.where(a >= 0.015625, normal, sub)
-        return gl.where(v < 0, -r, r)
+    def layouts(rows: int, bm: int) -> dict:
+        """The layouts of a program of ``rows`` operand rows and ``bm`` block rows, one warp a 16-row
+        group (a warpgroup 64 rows): the kernels' last constexprs. ``mma`` the accumulator, ``a_l``
+        the wgmma's register operand (what the decode's asm produces in place), ``code_l`` the
+        loaded ``[G, Q, 32, 16]`` code tile (a lane 16 contiguous bytes a chunk, as
+        ``mxtl.load_repacked``), ``p7`` that tile split ``[g, q, lane, s, kh, rh, kk]`` and ``s5_l``
+        its scale bytes ``[g, q, lane, s, rh]`` (rows r0 and r0 + 8 of a lane, a chunk's two
+        32-element blocks), ``x_l`` the activation copies' ``[bm, bk / 2]`` (16 bytes a thread)."""
+        nw = rows // 16
+        mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, bm, 16])
+        p7 = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [nw, 1, 1, 1, 1, 1, 1],
+                              [6, 5, 4, 3, 2, 1, 0])
+        return dict(mma=mma, a_l=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                    code_l=gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [nw, 1, 1, 1], [3, 2, 1, 0]), p7=p7,
+                    s5_l=gl.SliceLayout(4, gl.SliceLayout(6, p7)),
+                    x_l=gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0]))
 
     @gluon.jit
     def _to_operand(t, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr):
@@ -154,7 +156,8 @@ if HAS_GLUON:
               FOLD: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, x_l: gl.constexpr):
         """``_mainloop``'s step ``k``: wait for its copies, decode it into shared memory (the previous
         step's MMAs still run), issue its two MMAs, start the copies of step ``k + STAGES - 2``, load
-        the next step's scale bytes, wait for step k - 1's MMAs. Returns ``(acc, next scale bytes)``."""
+        the next step's scale bytes, wait for step k - 1's MMAs. Returns ``(acc, next scale bytes)``.
+        (A function of its own: written into the loop, one launch compiled to other SASS.)"""
         BKH: gl.constexpr = BK // 2
         G: gl.constexpr = R // 16
         Q: gl.constexpr = BK // 64
@@ -166,8 +169,9 @@ if HAS_GLUON:
         q_c = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
         k0 = k * BK
         i = k % STAGES
-        # step k's copies have landed once every thread's have (the barrier, which also means every
-        # warp has waited for step k - 2's MMAs, whose buffers the copies below refill)
+        # step k's copies have landed once every thread's have (the barrier, which also means
+        # every warp has waited for step k - 2's MMAs, whose buffers the copies below refill);
+        # decode step k (step k - 1's MMAs still run)
         async_copy.wait_group(D - 1)
         _barrier()
         t = _to_operand(c_s.index(i).load(code_l), G, Q, R, BKH)
@@ -186,26 +190,28 @@ if HAS_GLUON:
         wo = gl.convert_layout(wo, a_l, assert_trivial=True)
         kn = k0 + BK
         sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
-        # the operands into this step's buffers (step k - 2's MMAs, the last to read them, are done),
-        # then every thread's stores and copies before the MMAs' reads: the proxy fence, the barrier
+        # the operands into this step's buffers (step k - 2's MMAs, the last to read them, are
+        # done), then every thread's stores and copies before the MMAs' reads: the proxy fence,
+        # the barrier
         ae_s.index(k % 2).store(we)
         ao_s.index(k % 2).store(wo)
         fence_async_shared()
         _barrier()
         acc = warpgroup_mma(ae_s.index(k % 2), xe_s.index(i).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(ao_s.index(k % 2), xo_s.index(i).permute((1, 0)), acc, is_async=True)
-        # the copies of step k + D (into the buffers of step k - 2)
-        # (past the reduction's end every element is masked: no global read, but the copy still
-        # writes its zeros, which is why ``_mainloop`` ends with a wait and a barrier)
+        # the copies of step k + D (into the buffers of step k - 2; past the reduction's end every
+        # element is masked: no global read, but the copy still writes its zeros, hence the wait
+        # and the barrier after the loop)
         kd = k0 + D * BK
         j = (k + D) % STAGES
         xm = rvalid_x[:, None] & ((kd // 2 + offs_hx) < KH)[None, :]
         _cp_async(xe_s.index(j), x_rows + kd, mask=xm)
         _cp_async(xo_s.index(j), x_rows + kd + 16, mask=xm)
-        _cp_async(c_s.index(j), c_src + (kd // 64) * 512, mask=c_ok & ((kd // 64 + q_c) < NQ)[None, :, None, None])
+        _cp_async(c_s.index(j), c_src + (kd // 64) * 512,
+                  mask=c_ok & ((kd // 64 + q_c) < NQ)[None, :, None, None])
         async_copy.commit_group()
-        # step k - 1's MMAs are done (their operand buffers are free for step k + 1's decode); step
-        # k's stay in flight under step k + 1's decode
+        # step k - 1's MMAs are done (their operand buffers are free for step k + 1's decode);
+        # step k's stay in flight under step k + 1's decode
         acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
         return acc, sb
 
@@ -223,38 +229,23 @@ if HAS_GLUON:
         nblocks, limit,
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-        BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+        BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+        code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr,
     ):
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
-        STAGES >= 3 (the copies run STAGES - 2 steps ahead)."""
+        STAGES >= 3 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``."""
         R: gl.constexpr = 2 * BN  # the operand's rows: BN of up (the first half of the warps), then BN of gate
         G: gl.constexpr = R // 16
         KS: gl.constexpr = K // 32
         NQ: gl.constexpr = (K // 2 + 31) // 32
         UP0: gl.constexpr = 0 if UP_FIRST else N
         GATE0: gl.constexpr = N if UP_FIRST else 0
-        NT: gl.constexpr = (N + BN - 1) // BN
-        pid = gl.program_id(0)
-        pid_m = pid // NT
-        pid_n = pid % NT
-        e = gl.load(blk_expert_ptr + pid_m)
+        pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
         if e < 0:
             return
         nrow = gl.load(blk_rows_ptr + pid_m)
-        # the layouts (a warp a 16-row group of the operand): the accumulator, the wgmma's
-        # register operand, the loaded [G, Q, 32, 16] code tile (a lane 16 contiguous bytes a chunk, as
-        # mxtl.load_repacked), the code tile split [g, q, lane, s, kh, rh, kk], its scale bytes
-        # [g, q, lane, s, rh] (rows r0 and r0 + 8 of a lane, a chunk's two 32-element blocks), and the
-        # activation copies' [BM, BK / 2] (16 bytes a thread)
-        NW: gl.constexpr = R // 16  # warps: one a 16-row group
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        code_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-        p7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
-                                            [6, 5, 4, 3, 2, 1, 0])
-        s5_l: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(6, p7))
-        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+        NW: gl.constexpr = R // 16
         offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
         rvalid_x = offs_r < nrow
         slot_x = gl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid_x, other=0)
@@ -284,27 +275,13 @@ if HAS_GLUON:
         rvalid = offs_m < nrow
         rows = (pid_m * BM + offs_m).to(gl.int64)
         for jn in gl.static_range(BN // 32):
-            up = acc_s.slice(32 * jn, 32).load(ep_l)
-            gate = acc_s.slice(BN + 32 * jn, 32).load(ep_l)
-            if HAS_GS:
-                gsc = gl.load(gs_ptr + e)
-                up = up * gsc
-                gate = gate * gsc
-            if HAS_LIMIT:
-                gate = gl.minimum(gate, limit)
-                up = gl.minimum(gl.maximum(up, -limit), limit)
-            act = gate * (1 / (1 + gl.exp(-gate))) * up  # (tl.sigmoid's form)
-            # mxtl.mxfp8_block_scale / mxfp8_apply
-            scale = gl.max(gl.abs(act), axis=0) * 0.002232142857142857
-            bits = scale.to(gl.int32, bitcast=True)
-            upb = gl.where((bits & 0x7FFFFF) != 0, (bits + 0x800000) & 0x7F800000, bits)
-            byte = (upb >> 23) & 0xFF
-            pow2 = upb.to(gl.float32, bitcast=True)
-            inv = (gl.maximum(254 - byte, 0) << 23).to(gl.float32, bitcast=True)
-            inv = gl.where(byte == 0, 0.0, inv)
-            q = _round_e4m3(gl.minimum(gl.maximum(act * inv[None, :], -448.0), 448.0)) * pow2[None, :]
+            # (the tl.dot kernel's own helpers, compiled here in Gluon: the same arithmetic)
+            act = _swiglu(acc_s.slice(32 * jn, 32).load(ep_l), acc_s.slice(BN + 32 * jn, 32).load(ep_l), gs_ptr, e,
+                          limit, HAS_GS, HAS_LIMIT)
+            pow2, inv = mxfp8_block_scale(gl.max(gl.abs(act), axis=0))
+            q = mxfp8_apply(act, pow2[None, :], inv[None, :])
             offs_n = pid_n * BN + 32 * jn + gl.arange(0, 32, layout=gl.SliceLayout(1, ep_l))
-            gl.store(a_ptr + rows[None, :] * N + _split_col(offs_n)[:, None], q,
+            gl.store(a_ptr + rows[None, :] * N + split_col(offs_n)[:, None], q,
                      mask=rvalid[None, :] & (offs_n < N)[:, None])
 
     @gluon.jit(do_not_specialize=("nblocks",))
@@ -313,29 +290,17 @@ if HAS_GLUON:
         nblocks,
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+        mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
+        x_l: gl.constexpr,
     ):
         """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 warps (BN = 128
-        or 256: a warpgroup 64 of the W2 rows), STAGES >= 3."""
-        R: gl.constexpr = BN
+        or 256: a warpgroup 64 of the W2 rows), STAGES >= 3; its layouts from ``layouts(BN, BM)``."""
         NS: gl.constexpr = N // 32
         NQ: gl.constexpr = (N // 2 + 31) // 32
-        NT: gl.constexpr = (K + BN - 1) // BN
-        pid = gl.program_id(0)
-        pid_m = pid // NT
-        pid_n = pid % NT
-        e = gl.load(blk_expert_ptr + pid_m)
+        pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
         if e < 0:
             return
         nrow = gl.load(blk_rows_ptr + pid_m)
-        # (the layouts: gemm1_gluon_kernel's)
-        NW: gl.constexpr = R // 16  # warps: one a 16-row group
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        code_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [NW, 1, 1, 1], [3, 2, 1, 0])
-        p7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
-                                            [6, 5, 4, 3, 2, 1, 0])
-        s5_l: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(6, p7))
-        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         # the block's rows of a (block-ordered: rows pid_m * BM ..)
         offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
         x_rows = _x_rows(a_ptr, (pid_m * BM + offs_r).to(gl.int64), N, BK, x_l)

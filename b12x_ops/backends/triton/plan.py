@@ -630,7 +630,7 @@ class GeometryPlans:
             ln = mk(GK.gemm1_gluon_kernel,
                     dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                          HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
-                         BK=cfg.bk1, STAGES=cfg.stages1, FOLD=self.fold),
+                         BK=cfg.bk1, STAGES=cfg.stages1, FOLD=self.fold, **GK.layouts(2 * cfg.bn1, cfg.bm)),
                     cfg.bn1 // 8, 1)
         elif kind == "gemm1":
             ln = mk(K_.gemm1_kernel,
@@ -644,7 +644,7 @@ class GeometryPlans:
                                  "decode, triton's Gluon, bn2 = 128 or 256 and stages2 >= 3)")
             ln = mk(GK.gemm2_gluon_kernel,
                     dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                         BN=cfg.bn2, BK=cfg.bk2, STAGES=cfg.stages2, FOLD=self.fold),
+                         BN=cfg.bn2, BK=cfg.bk2, STAGES=cfg.stages2, FOLD=self.fold, **GK.layouts(cfg.bn2, cfg.bm)),
                     cfg.bn2 // 16, 1)
         elif kind == "gemm2":
             ln = mk(K_.gemm2_kernel,
