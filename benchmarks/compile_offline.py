@@ -101,6 +101,66 @@ def loop_profile(cubin: bytes) -> list[tuple[int, collections.Counter]]:
     return loops
 
 
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """``(address, instruction)`` of a cuobjdump SASS listing."""
+    return [(int(m.group(1), 16), m.group(2)) for m in
+            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln) for ln in sass.splitlines()) if m]
+
+
+_NO_REG_DST = ("HGMMA", "ST", "BAR", "BRA", "WARPGROUP", "DEPBAR", "LDGSTS", "RED", "ATOM", "MEMBAR", "FENCE", "NOP",
+               "ISETP", "FSETP", "PLOP3", "UI", "UM", "US", "UL", "R2UR", "EXIT")
+
+
+def _written(text: str) -> set[int]:
+    """The general registers an instruction writes (its first operand; 1, 2 or 4 of them)."""
+    t = re.sub(r"^@!?U?P\w+\s+", "", text)
+    parts = t.split(None, 1)
+    if len(parts) < 2 or parts[0].startswith(_NO_REG_DST):
+        return set()
+    m = re.match(r"R(\d+)", parts[1].split(",")[0].strip())
+    if not m:
+        return set()
+    width = 4 if ".128" in parts[0] else 2 if (".64" in parts[0] or parts[0].startswith("CS2R") or "WIDE" in parts[0]) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def wgmma_operand_hazards(sass: str) -> list[tuple[int, int, str]]:
+    """Where an instruction writes a register an in-flight wgmma reads its first operand from:
+    ``(wgmma address, writer address, writer)`` for each ``HGMMA`` with a register operand and the
+    first write to one of its 4 registers before the wait that covers it (the second
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x2`` after it, or the first ``0x0``), following the main loop's
+    back edge once. ptxas does not always catch these across a loop's iterations (the hardware then
+    reads whatever the writer left)."""
+    ins = sass_instructions(sass)
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loop = None
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and any("HGMMA" in x for _, x in ins[at[int(m.group(1), 16)]:i + 1]):
+            loop = (at[int(m.group(1), 16)], i)
+            break
+    found = []
+    for p, (a, t) in enumerate(ins):
+        m = re.search(r"HGMMA\S*\s+R\d+,\s+R(\d+)", t)
+        if not m:
+            continue
+        regs = set(range(int(m.group(1)), int(m.group(1)) + 4))
+        waits, q = 0, p
+        for _ in range(3 * len(ins)):
+            q = loop[0] if loop and q == loop[1] else q + 1
+            if q >= len(ins):
+                break
+            tq = ins[q][1]
+            if "WARPGROUP.DEPBAR" in tq:
+                waits += 1
+                if "0x0" in tq or waits == 2:
+                    break
+            if _written(tq) & regs:
+                found.append((a, ins[q][0], tq))
+                break
+    return found
+
+
 def compile_launch(launch: P.Launch, arch: int):
     sig, attrs = signature(launch)
     if getattr(launch.fn, "is_gluon", lambda: False)():

@@ -221,7 +221,38 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
         assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+2;", ptx), what
         sass = offline._cuobjdump(ck.asm["cubin"], "-sass")
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass, what
+        assert offline.wgmma_operand_hazards(sass) == [], what
         hgmma = [ln for ln in sass.splitlines() if "HGMMA" in ln]
         assert hgmma and all(re.search(r"HGMMA\S*\s+R\d+,\s+gdesc", ln) for ln in hgmma), what
         assert ck.metadata.shared <= 227 * 1024, what
         assert "LOCAL:0" in offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", ""), what
+
+
+def test_wgmma_operand_hazard_check_finds_a_write_to_an_in_flight_operand(offline):
+    """The SASS check the Gluon test relies on: a loop whose decode rewrites the registers the last
+    trip's MMA still reads (the wait keeps 2 groups in flight) is flagged; the same loop with the
+    two steps' operands in two register sets is not."""
+    def listing(lines):
+        return "\n".join(f"        /*{16 * i:04x}*/                   {t} ;" for i, t in enumerate(lines))
+
+    racy = listing([
+        "HMUL2.BF16_V2 R92, R3, R98.H0_H0",  # the decode writes the operand
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x128x16.F32.BF16 R24, R92, gdesc[UR8], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x2",  # (the MMA above stays in flight)
+        "BRA 0x0",  # the next trip's decode rewrites R92 before a second wait
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+    ])
+    found = offline.wgmma_operand_hazards(racy)
+    assert [(a, w) for a, w, _ in found] == [(0x20, 0x0)]
+    two_sets = listing([
+        "HMUL2.BF16_V2 R92, R3, R98.H0_H0",
+        "HGMMA.64x128x16.F32.BF16 R24, R92, gdesc[UR8], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x2",
+        "HMUL2.BF16_V2 R96, R3, R98.H0_H0",  # the other step's set
+        "HGMMA.64x128x16.F32.BF16 R24, R96, gdesc[UR8], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x2",  # (covers the first MMA: R92 is free again)
+        "BRA 0x0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+    ])
+    assert offline.wgmma_operand_hazards(two_sets) == []
