@@ -392,24 +392,22 @@ def test_gpu_gluon_gemms_match_tl_gemms(name):
             base = dataclasses.replace(P.default_config(M, g, gemv=False), bm=bm, atomic=False)
             st.plans.reserve(M, base)
             _launch_all(st, base, x, ids, w, out, stages=("prologue",))
-            act, slots = st.plans.arena.buffers["act"], st.plans.arena.buffers["slots"]
+
+            def written(cfg, stage, buf):  # (the stage's output buffer, after one launch over sevens)
+                t = st.plans.arena.buffers[buf]
+                t.fill_(7)
+                _launch_all(st, cfg, x, ids, w, out, stages=(stage,))
+                return t.clone()
+
             for bn1, bk, stages in ((64, 128, 4), (64, 64, 4), (128, 64, 4), (128, 64, 3), (64, 64, 6)):
                 tl1 = dataclasses.replace(base, bn1=bn1, bk1=bk, warps1=4 * bn1 // 64, stages1=2)
-                act.fill_(7)
-                _launch_all(st, tl1, x, ids, w, out, stages=("gemm1",))
-                want = act.clone()
-                act.fill_(7)
-                _launch_all(st, dataclasses.replace(tl1, gluon=True, stages1=stages), x, ids, w, out,
-                            stages=("gemm1",))
+                want = written(tl1, "gemm1", "act")
+                act = written(dataclasses.replace(tl1, gluon=True, stages1=stages), "gemm1", "act")
                 assert torch.equal(act.view(torch.int16), want.view(torch.int16)), ("gemm1", name, M, bm, bn1, bk)
             for bn2, bk, stages in ((128, 64, 4), (256, 64, 4), (128, 128, 3), (256, 64, 3)):
                 tl2 = dataclasses.replace(base, bn2=bn2, bk2=bk, warps2=4 * bn2 // 128, stages2=2)
-                slots.fill_(7)
-                _launch_all(st, tl2, x, ids, w, out, stages=("gemm2",))
-                want = slots.clone()
-                slots.fill_(7)
-                _launch_all(st, dataclasses.replace(tl2, gluon2=True, stages2=stages), x, ids, w, out,
-                            stages=("gemm2",))
+                want = written(tl2, "gemm2", "slots")
+                slots = written(dataclasses.replace(tl2, gluon2=True, stages2=stages), "gemm2", "slots")
                 assert torch.equal(slots, want), ("gemm2", name, M, bm, bn2, bk)
             for atomic in (False, True):
                 both = dataclasses.replace(base, gluon=True, bn1=128, bk1=64, stages1=4, gluon2=True, bn2=256,

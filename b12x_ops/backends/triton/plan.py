@@ -144,6 +144,13 @@ _REGIMES = (
 PDL_DEFAULT = False
 
 
+def _capability(device) -> tuple[int, int] | None:
+    """``device``'s compute capability, or None where it is no CUDA device."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
 def pdl_status(device) -> tuple[bool, str]:
     """Whether stage kernels on ``device`` launch as programmatic dependent launches, and why."""
     env = os.environ.get("B12X_OPS_TRITON_PDL")
@@ -153,9 +160,9 @@ def pdl_status(device) -> tuple[bool, str]:
         return False, "off: TRITON_INTERPRET=1"
     if not K_.HAS_GDC:
         return False, "off: this triton has no griddepcontrol (3.4 and newer do)"
-    if device is None or torch.device(device).type != "cuda":
+    cc = _capability(device)
+    if cc is None:
         return False, f"off: needs a CUDA device of sm_90 or newer (got {device})"
-    cc = torch.cuda.get_device_capability(device)
     if cc[0] < 9:
         return False, f"off: needs sm_90 or newer (got sm_{cc[0]}{cc[1]})"
     return True, "on (B12X_OPS_TRITON_PDL=1)"
@@ -182,9 +189,9 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
         return False, "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
     if not GK.HAS_GLUON:
         return False, "off: this triton has no Gluon with Hopper's wgmma"
-    if device is None or torch.device(device).type != "cuda":
+    cc = _capability(device)
+    if cc is None:
         return False, f"off: needs an sm_90 CUDA device (got {device})"
-    cc = torch.cuda.get_device_capability(device)
     if cc != (9, 0):
         return False, f"off: its wgmma needs sm_90 (got sm_{cc[0]}{cc[1]})"
     if not ptx:
