@@ -88,9 +88,7 @@ def resources(cubin: bytes, name: str) -> str:
 
 def loop_profile(cubin: bytes) -> list[tuple[int, collections.Counter]]:
     """Per loop (a backward branch): its body's instruction count and the count of each opcode."""
-    sass = _cuobjdump(cubin, "-sass")
-    ins = [(int(m.group(1), 16), m.group(2)) for m in
-           (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln) for ln in sass.splitlines()) if m]
+    ins = sass_instructions(_cuobjdump(cubin, "-sass"))
     loops = []
     for addr, text in ins:
         m = re.search(r"BRA (?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
