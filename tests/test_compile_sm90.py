@@ -193,9 +193,10 @@ def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
 def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     """The Gluon GEMMs (``gluon_kernels``; opt-in on sm_90, ``plan.gluon_status``) compile for
     sm_90: the decode's asm in the wgmma operand's register layout (the kernels' ``assert_trivial``
-    conversions would fail the compile otherwise), both MMA operands from shared memory, the main
-    loop's wait leaving the step's two MMAs in flight (``wgmma.wait_group`` 2), shared memory within
-    an SM's, and no spills."""
+    conversions would fail the compile otherwise), the main loop's wait leaving the step's two MMAs
+    in flight (``wgmma.wait_group`` 2) with no write to an in-flight MMA's operand registers before
+    the wait that covers it, shared memory within an SM's, and no local memory (16-warp tiles keep a
+    few bytes of stack at their 128-register cap)."""
     import dataclasses
     import re
 
@@ -222,8 +223,6 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
         sass = offline._cuobjdump(ck.asm["cubin"], "-sass")
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass, what
         assert offline.wgmma_operand_hazards(sass) == [], what
-        hgmma = [ln for ln in sass.splitlines() if "HGMMA" in ln]
-        assert hgmma and all(re.search(r"HGMMA\S*\s+R\d+,\s+gdesc", ln) for ln in hgmma), what
         assert ck.metadata.shared <= 227 * 1024, what
         assert "LOCAL:0" in offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", ""), what
 

@@ -6,12 +6,13 @@ step's MMAs finish before the next step's decode, so the decode and the tensor c
 at large M that bounds them (``benchmarks/NOTES.md``). Gluon spells out what ``tl.dot`` does not
 express:
 
-* **asynchronous wgmma.** Step k's two MMAs (even and odd elements) are issued and left in flight
-  (``warpgroup_mma_wait`` with 2 outstanding) while step k + 1 is decoded. The decoded operands go
-  to shared memory (two steps' buffers, ``stmatrix``) and the MMAs read them there: an MMA reading
-  its operand from registers would need those registers untouched until it finishes, which the
-  next step's decode in the same loop does not guarantee (that form, tried first, gave wrong bits
-  in some H200 runs);
+* **asynchronous wgmma with the decoded operand in registers.** Step k's two MMAs (even and odd
+  elements) are issued and left in flight (``warpgroup_mma_wait`` with 2 outstanding) while step
+  k + 1 is decoded. An in-flight MMA reads its operand registers until a wait covers it, so
+  consecutive steps decode into two register sets (the loop takes two steps a trip and every wait
+  lists both sets); with one set the next decode rewrote registers an MMA still read, which ptxas
+  did not catch across the loop (wrong bits in some H200 runs).
+  ``compile_offline.wgmma_operand_hazards`` checks the SASS (``tests/test_compile_sm90.py``);
 * **explicit copies.** The codes and the activations of step k + STAGES - 2 are copied
   asynchronously (``cp.async``) into a ring of STAGES buffers while step k is multiplied. A buffer
   is refilled only after every warp has waited for the MMAs that read it (the barrier at the top
@@ -125,11 +126,6 @@ if HAS_GLUON:
         c_s = gl.allocate_shared_memory(gl.uint8, [STAGES, G, Q, 32, 16], c_sl)
         xe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BKH], x_sl)
         xo_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BKH], x_sl)
-        # the decoded operands, two steps' (the MMAs read them from shared memory: asynchronous MMAs
-        # must not read registers the next step's decode may take)
-        a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
-        ae_s = gl.allocate_shared_memory(gl.bfloat16, [2, R, BKH], a_sl)
-        ao_s = gl.allocate_shared_memory(gl.bfloat16, [2, R, BKH], a_sl)
         for i0 in gl.static_range(D):  # the first D steps' copies (an empty group past the end)
             if i0 * BK < RED:
                 xm = rvalid_x[:, None] & ((i0 * BKH + offs_hx) < KH)[None, :]
@@ -140,10 +136,26 @@ if HAS_GLUON:
 
         sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)  # (scale bytes: a step ahead)
         acc = gl.zeros([R, BM], gl.float32, layout=mma)
-        for k in range(NSTEP):
-            acc, sb = _step(k, acc, sb, c_s, xe_s, xo_s, ae_s, ao_s, c_src, c_ok, s_src, s_ok, sblk, x_rows,
-                            rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
+        # consecutive steps decode into two register sets: the loop takes two steps a trip (set A,
+        # then set B), and each wait lists both sets, so that neither is dead (free for the other
+        # step's decode) while its MMAs may run. An odd count's first step runs alone before the
+        # loop (in set B). (``compile_offline.wgmma_operand_hazards`` checks the SASS.)
+        we_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
+        wo_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
+        K1: gl.constexpr = NSTEP % 2
+        if K1 == 1:
+            acc, sb, we_b, wo_b = _step(0, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk, x_rows,
+                                        rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
+            acc, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_b, wo_b])
+        for kk in range(NSTEP // 2):
+            acc, sb, we_a, wo_a = _step(K1 + 2 * kk, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk,
+                                        x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
+            acc, we_b, wo_b, we_a, wo_a = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_b, wo_b, we_a, wo_a])
+            acc, sb, we_b, wo_b = _step(K1 + 2 * kk + 1, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk,
+                                        x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
+            acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_a, wo_a, we_b, wo_b])
+        acc, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_b, wo_b])
         # every thread's copies (those past the last step write zeros) have landed and every warp is
         # past its last read of the ring before the caller's shared memory may reuse it
         async_copy.wait_group(0)
@@ -151,13 +163,13 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _step(k, acc, sb, c_s, xe_s, xo_s, ae_s, ao_s, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x,
+    def _step(k, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x,
               RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               FOLD: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, x_l: gl.constexpr):
-        """``_mainloop``'s step ``k``: wait for its copies, decode it into shared memory (the previous
-        step's MMAs still run), issue its two MMAs, start the copies of step ``k + STAGES - 2``, load
-        the next step's scale bytes, wait for step k - 1's MMAs. Returns ``(acc, next scale bytes)``.
-        (A function of its own: written into the loop, one launch compiled to other SASS.)"""
+        """``_mainloop``'s step ``k``: wait for its copies, decode it (the previous step's MMAs still
+        run), issue its two MMAs on the decoded registers, start the copies of step
+        ``k + STAGES - 2``, load the next step's scale bytes. Returns ``(acc, next scale bytes, even
+        operand, odd operand)``: the caller keeps the operands live until a wait covers the MMAs."""
         BKH: gl.constexpr = BK // 2
         G: gl.constexpr = R // 16
         Q: gl.constexpr = BK // 64
@@ -169,10 +181,12 @@ if HAS_GLUON:
         q_c = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
         k0 = k * BK
         i = k % STAGES
-        # step k's copies have landed once every thread's have (the barrier, which also means
-        # every warp has waited for step k - 2's MMAs, whose buffers the copies below refill);
+        # step k's copies have landed once every thread's have; each thread orders its own copies
+        # before the MMAs' reads (the proxy fence), then meets the others (the barrier, which also
+        # means every warp has waited for step k - 2's MMAs, whose buffers the copies below refill);
         # decode step k (step k - 1's MMAs still run)
         async_copy.wait_group(D - 1)
+        fence_async_shared()
         _barrier()
         t = _to_operand(c_s.index(i).load(code_l), G, Q, R, BKH)
         b = sb
@@ -190,15 +204,8 @@ if HAS_GLUON:
         wo = gl.convert_layout(wo, a_l, assert_trivial=True)
         kn = k0 + BK
         sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
-        # the operands into this step's buffers (step k - 2's MMAs, the last to read them, are
-        # done), then every thread's stores and copies before the MMAs' reads: the proxy fence,
-        # the barrier
-        ae_s.index(k % 2).store(we)
-        ao_s.index(k % 2).store(wo)
-        fence_async_shared()
-        _barrier()
-        acc = warpgroup_mma(ae_s.index(k % 2), xe_s.index(i).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(ao_s.index(k % 2), xo_s.index(i).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(we, xe_s.index(i).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(wo, xo_s.index(i).permute((1, 0)), acc, is_async=True)
         # the copies of step k + D (into the buffers of step k - 2; past the reduction's end every
         # element is masked: no global read, but the copy still writes its zeros, hence the wait
         # and the barrier after the loop)
@@ -210,10 +217,7 @@ if HAS_GLUON:
         _cp_async(c_s.index(j), c_src + (kd // 64) * 512,
                   mask=c_ok & ((kd // 64 + q_c) < NQ)[None, :, None, None])
         async_copy.commit_group()
-        # step k - 1's MMAs are done (their operand buffers are free for step k + 1's decode);
-        # step k's stay in flight under step k + 1's decode
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
-        return acc, sb
+        return acc, sb, we, wo
 
     @gluon.jit
     def _x_rows(ptr, row, RED: gl.constexpr, BK: gl.constexpr, x_l: gl.constexpr):
