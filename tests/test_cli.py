@@ -71,14 +71,16 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
     assert _field(info, fused).group(1).startswith("on: calls of up to 4 tokens (the GEMV path) outside CUDA-graph")
     monkeypatch.setenv("B12X_OPS_TRITON_GEMV_FUSED", "0")
     assert _field(_cli("info", "--device", "cpu").stdout, fused).group(1) == "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
-    # the Gluon GEMM1 (sm_90): off by default; asked for here, off with the reason
+    # the Gluon GEMM1 (sm_90): on by default where it can run (not here, and the line says why); off when asked
     gluon = r"^triton Gluon GEMM1 for large batches: (.*)$"
-    assert _field(info, gluon).group(1).startswith("off by default (B12X_OPS_TRITON_GLUON=1 turns it on")
     from b12x_ops.backends.triton import gluon_kernels as GK
 
-    monkeypatch.setenv("B12X_OPS_TRITON_GLUON", "1")
-    assert _field(_cli("info", "--device", "cpu").stdout, gluon).group(1) == (
-        "off: needs an sm_90 CUDA device (got cpu)" if GK.HAS_GLUON else "off: this triton has no Gluon with Hopper's wgmma")
+    monkeypatch.setenv("B12X_OPS_TRITON_GLUON", "0")
+    assert _field(_cli("info", "--device", "cpu").stdout, gluon).group(1) == "off (B12X_OPS_TRITON_GLUON=0)"
+    why = ("off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)" if os.environ.get("TRITON_INTERPRET") == "1"
+           else "off: needs an sm_90 CUDA device (got cpu)" if GK.HAS_GLUON
+           else "off: this triton has no Gluon with Hopper's wgmma")
+    assert _field(info, gluon).group(1) == why
 
 
 @pytest.mark.parametrize("backend", ["b12x", "triton"])

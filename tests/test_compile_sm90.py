@@ -191,7 +191,7 @@ def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 @pytest.mark.parametrize("fold", [True, False])
 def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
-    """The Gluon GEMMs (``gluon_kernels``; opt-in on sm_90, ``plan.gluon_status``) compile for
+    """The Gluon GEMMs (``gluon_kernels``; GEMM1 by default on sm_90, ``plan.gluon_status``) compile for
     sm_90: the decode's asm in the wgmma operand's register layout (the kernels' ``assert_trivial``
     conversions would fail the compile otherwise), the main loop's wait leaving the step's two MMAs
     in flight (``wgmma.wait_group`` 2) with no write to an in-flight MMA's operand registers before
@@ -207,9 +207,7 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     g = offline._geometry(GEOMETRIES[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=fold)
     gp.ptx, gp.fold, gp.dot_dtype = True, fold, triton.language.bfloat16
-    gp.gluon = True
-    big = gp.with_gluon(P.default_config(8192, g))
-    assert big.gluon
+    big = dataclasses.replace(P.default_config(8192, g), gluon=True, **P.GLUON_GEMM1)  # (whether or not N fits)
     forms = [(1, big), (2, dataclasses.replace(big, gluon2=True, bn2=128, bk2=64, stages2=4)),
              (2, dataclasses.replace(big, gluon2=True, bn2=256, bk2=64, stages2=4)),
              (1, dataclasses.replace(big, bm=64, bn1=64))]

@@ -169,22 +169,22 @@ def pdl_status(device) -> tuple[bool, str]:
 
 
 # GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``) on sm_90: its MMAs run asynchronously under
-# the next K step's decode, which ``tl.dot`` cannot express. Opt-in (B12X_OPS_TRITON_GLUON=1) for
-# plans of 128-row expert blocks, in this tile: 128 columns of up and of gate a program (16 warps),
-# 64-element steps, 4 stages. Off by default because it is not faster everywhere. H200, GEMM1 alone,
-# the same bits as the tl.dot GEMM1 of that tile (``benchmarks/results/gluon_gemms.md``): gpt-oss
-# M = 8192 3878 -> 3712 us, Qwen3 M = 2048 476 -> 446, M = 8192 1557 -> 1335 (-4 to -14 %), but
-# DSv4 M = 8192 2022 -> 2454. (A form reading the decoded operand from registers was 1.2-1.5x
-# faster, but its next decode could overwrite registers an MMA still read: wrong bits in some runs.)
+# the next K step's decode, which ``tl.dot`` cannot express. On by default (B12X_OPS_TRITON_GLUON=0
+# turns it off) for plans of 128-row expert blocks, in this tile: 128 columns of up and of gate a
+# program (16 warps), 64-element steps, 4 stages; where those 128-column tiles would leave more than
+# ``GLUON_MAX_TAIL`` of N as padding, GEMM1 stays in tl.dot's 64-column tiles. H200, GEMM1 alone,
+# the same bits as the tl.dot GEMM1 (``benchmarks/results/gluon_gemms.md``): gpt-oss M = 8192 3873
+# -> 3101 us, Qwen3 M = 2048 473 -> 398, M = 8192 1549 -> 1208; the DeepSeek rank (N = 576: 4.5
+# tiles of 128, 11 % padding) M = 8192 2022 -> 2076, so it keeps tl.dot.
 GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=8)
 GLUON_MIN_BM = 128
+GLUON_MAX_TAIL = 0.05
 
 
 def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
     """Whether plans on ``device`` take the Gluon GEMM1 (``GLUON_GEMM1``), and why (``b12x-ops info``)."""
-    if os.environ.get("B12X_OPS_TRITON_GLUON", "0") != "1":
-        return False, ("off by default (B12X_OPS_TRITON_GLUON=1 turns it on; on the H200 it is faster for some "
-                       "geometries and slower for others)")
+    if os.environ.get("B12X_OPS_TRITON_GLUON", "1") != "1":
+        return False, "off (B12X_OPS_TRITON_GLUON=0)"
     if INTERPRET:
         return False, "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
     if not GK.HAS_GLUON:
@@ -197,7 +197,14 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
     return True, (f"on: GEMM1 of blocked calls with {GLUON_MIN_BM}-row expert blocks runs in Gluon, its MMAs under "
-                  "the next step's decode (B12X_OPS_TRITON_GLUON=1)")
+                  "the next step's decode, where its 128-column tiles fit N (B12X_OPS_TRITON_GLUON=0 turns it off)")
+
+
+def gluon_fits(n: int) -> bool:
+    """Whether the Gluon GEMM1's column tiles (``GLUON_GEMM1['bn1']``) cover ``n`` with at most
+    ``GLUON_MAX_TAIL`` of padding."""
+    bn = GLUON_GEMM1["bn1"]
+    return -(-n // bn) * bn <= n * (1 + GLUON_MAX_TAIL)
 
 
 def _stages(bk: int, stages: int) -> int:
@@ -705,9 +712,10 @@ class GeometryPlans:
             a.need("slots", S * g.hidden_size, torch.float32)
 
     def with_gluon(self, cfg: Config) -> Config:
-        """``cfg`` with its GEMM1 in Gluon where this GPU takes it and the plan's blocks are large
-        enough (``GLUON_GEMM1``)."""
-        if self.gluon and not cfg.gemv and cfg.bm >= GLUON_MIN_BM and not cfg.gluon:
+        """``cfg`` with its GEMM1 in Gluon where this GPU takes it, the plan's blocks are large enough
+        and the tiles fit N (``GLUON_GEMM1``, ``gluon_fits``)."""
+        if (self.gluon and not cfg.gemv and cfg.bm >= GLUON_MIN_BM and not cfg.gluon
+                and gluon_fits(self.geometry.intermediate_size)):
             return dataclasses.replace(cfg, gluon=True, **GLUON_GEMM1)
         return cfg
 
