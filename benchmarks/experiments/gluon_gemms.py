@@ -46,7 +46,8 @@ def main():
         gp = st.plans
         for M in sizes:
             xs, idss, wss, outs = layer_batches(M, E, K, top_k, 3)
-            base = P.default_config(M, gp.geometry)
+            base = P.default_config(M, gp.geometry)  # (tl.dot GEMMs: ``with_gluon`` is not applied)
+            print(f"{name} M={M} bm={base.bm}", flush=True)
             rows = []
             # one routing pass for every comparison (with several routing programs the order of a
             # block's rows depends on their atomics)
@@ -99,7 +100,6 @@ def main():
                 except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
                     rows.append(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-300:]}")
                 print(rows[-1], flush=True)
-            print(f"{name} M={M} bm={base.bm}", flush=True)
         del hs, layers
         torch.cuda.empty_cache()
 
