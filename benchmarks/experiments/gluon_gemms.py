@@ -3,6 +3,8 @@ the same bits, and the time of each stage alone and of the whole op (CUDA-graph 
 
     python benchmarks/experiments/gluon_gemms.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 2048,8192 [128/64/4,... [256/64/4,...]]
 
+(a form's optional fourth number caps its registers a thread: ``64/64/4/128``)
+
 Per geometry and M: the default plan, then Gluon forms of its GEMM1 (bn1/bk1/stages1, the
 third argument) and of its GEMM2 (bn2/bk2/stages2, the fourth); for each, the stage's output against the
 ``tl.dot`` stage's with the same K step (bit for bit: ``act`` after GEMM1; the per-slot rows of the
@@ -62,6 +64,13 @@ def main():
                 else:
                     cfg = dataclasses.replace(base, gluon2=True, bn2=form[0], bk2=form[1], stages2=form[2])
                     label = f"gemm2 gluon bn {form[0]} bk {form[1]} st {form[2]}"
+                capped = None
+                if form is not None and len(form) > 3:  # (a register cap: this form's launch, compiled apart)
+                    ln = gp.stages(cfg, M)[1 if stage == "gemm1" else 2]
+                    capped = next(k for k, v in gp.launches.items() if v is ln)
+                    gp.launches[capped] = P.Launch(ln.fn, ln.constexprs, ln.num_warps, ln.num_stages, form[3],
+                                                   pdl=gp.pdl)
+                    label += f" maxnreg {form[3]}"
                 try:
                     same = ""
                     if form is not None and stage == "gemm2" and M > gp.slot_chunk:
@@ -99,6 +108,8 @@ def main():
                     _launch_all(st, base, xs[0], idss[0], wss[0], outs[0], stages=("prologue",))
                 except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
                     rows.append(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-300:]}")
+                if capped is not None:
+                    del gp.launches[capped]
                 print(rows[-1], flush=True)
         del hs, layers
         torch.cuda.empty_cache()
