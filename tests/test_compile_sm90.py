@@ -195,8 +195,10 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     sm_90: the decode's asm in the wgmma operand's register layout (the kernels' ``assert_trivial``
     conversions would fail the compile otherwise), the main loop's wait leaving the step's two MMAs
     in flight (``wgmma.wait_group`` 2) with no write to an in-flight MMA's operand registers before
-    the wait that covers it, shared memory within an SM's, and no local memory (16-warp tiles keep a
-    few bytes of stack at their 128-register cap)."""
+    the wait that covers it, one barrier a K step in the main loop (the compiler's barrier analysis
+    adding none between a step's copies and its reads; triton 3.9's adds one a loop trip, at the
+    back edge), shared memory within an SM's, and no local
+    memory (16-warp tiles keep a few bytes of stack at their 128-register cap)."""
     import dataclasses
     import re
 
@@ -221,6 +223,10 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
         sass = offline._cuobjdump(ck.asm["cubin"], "-sass")
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass, what
         assert offline.wgmma_operand_hazards(sass) == [], what
+        n, ops = max(offline.loop_profile(ck.asm["cubin"]), key=lambda loop: loop[0])
+        bk = cfg.bk1 if which == 1 else cfg.bk2
+        steps = ops["HGMMA"] // (bk // 16)  # (bk / 16 HGMMA a step)
+        assert steps >= 2 and steps <= ops["BAR"] <= steps + 1, (what, ops["BAR"], steps)
         assert ck.metadata.shared <= 227 * 1024, what
         assert "LOCAL:0" in offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", ""), what
 

@@ -29,8 +29,8 @@ from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
 from bench_moe import GEOMETRIES, graph_time, layer_batches, random_layer  # noqa: E402
 
-FORMS = [(64, 64, 4), (128, 64, 4), (128, 128, 3), (128, 64, 6)]  # GEMM1's (bn1, bk1, stages1)
-FORMS2 = [(128, 64, 4), (256, 64, 4), (256, 128, 3)]  # GEMM2's (bn2, bk2, stages2)
+FORMS = [(64, 64, 4), (128, 64, 4), (128, 128, 4), (128, 64, 6)]  # GEMM1's (bn1, bk1, stages1)
+FORMS2 = [(128, 64, 4), (256, 64, 4), (256, 128, 4)]  # GEMM2's (bn2, bk2, stages2)
 
 
 def main():

@@ -9,15 +9,18 @@ express:
 * **asynchronous wgmma with the decoded operand in registers.** Step k's two MMAs (even and odd
   elements) are issued and left in flight (``warpgroup_mma_wait`` with 2 outstanding) while step
   k + 1 is decoded. An in-flight MMA reads its operand registers until a wait covers it, so
-  consecutive steps decode into two register sets (the loop takes two steps a trip and every wait
-  lists both sets); with one set the next decode rewrote registers an MMA still read, which ptxas
+  consecutive steps decode into two register sets, alternately, and every wait lists both sets;
+  with one set the next decode rewrote registers an MMA still read, which ptxas
   did not catch across the loop (wrong bits in some H200 runs).
   ``compile_offline.wgmma_operand_hazards`` checks the SASS (``tests/test_compile_sm90.py``);
-* **explicit copies.** The codes and the activations of step k + STAGES - 2 are copied
-  asynchronously (``cp.async``) into a ring of STAGES buffers while step k is multiplied. A buffer
-  is refilled only after every warp has waited for the MMAs that read it (the barrier at the top
-  of a step), and the ring is drained (a wait and a barrier) before the epilogue reuses its shared
-  memory;
+* **explicit copies, one barrier a step.** The codes and the activations of step k + STAGES - 2
+  are copied asynchronously (``cp.async``) into a ring of STAGES buffers (an even count) while step
+  k is decoded and multiplied. A buffer is refilled only after every warp has waited for the MMAs
+  that read it (the barrier at the top of a step). Each stage's buffers are allocations of their
+  own and the loop is unrolled by STAGES, so every step's buffers are known when compiling and the
+  compiler's barrier analysis adds no barrier of its own between a step's copies and its reads
+  (with one allocation for the ring and a computed index it added two a step). The ring is drained
+  (a wait and a barrier) before the epilogue reuses its shared memory;
 * **warpgroups of one tile.** A program's ``R / 16`` warps each take a 16-row group of the
   operand's ``R`` rows (a warpgroup 64 rows). In GEMM1 the first half of the warpgroups holds the
   up rows and the rest the gate rows; both read the same activations, and the epilogue meets up
@@ -123,39 +126,59 @@ if HAS_GLUON:
         s_src = s_row + sblk
         offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
 
-        c_s = gl.allocate_shared_memory(gl.uint8, [STAGES, G, Q, 32, 16], c_sl)
-        xe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BKH], x_sl)
-        xo_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BKH], x_sl)
+        # The ring: one allocation a stage and a buffer kind, so that every buffer a step touches is
+        # known at compile time (the loop is unrolled by a multiple of STAGES) and the compiler's
+        # barrier analysis sees that a step's copies (into step k + D's buffers) and its reads
+        # (step k's) touch different allocations: one barrier a step, the one below.
+        ring = ()
+        for i0 in gl.static_range(STAGES):
+            ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
+                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
+                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
         for i0 in gl.static_range(D):  # the first D steps' copies (an empty group past the end)
             if i0 * BK < RED:
-                xm = rvalid_x[:, None] & ((i0 * BKH + offs_hx) < KH)[None, :]
-                _cp_async(xe_s.index(i0), x_rows + i0 * BK, mask=xm)
-                _cp_async(xo_s.index(i0), x_rows + i0 * BK + 16, mask=xm)
-                _cp_async(c_s.index(i0), c_src + i0 * Q * 512, mask=c_ok & ((i0 * Q + q_c) < NQ)[None, :, None, None])
+                _copies(i0 * BK, ring[i0], c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)
             async_copy.commit_group()
 
         sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)  # (scale bytes: a step ahead)
         acc = gl.zeros([R, BM], gl.float32, layout=mma)
         # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
-        # consecutive steps decode into two register sets: the loop takes two steps a trip (set A,
-        # then set B), and each wait lists both sets, so that neither is dead (free for the other
-        # step's decode) while its MMAs may run. An odd count's first step runs alone before the
-        # loop (in set B). (``compile_offline.wgmma_operand_hazards`` checks the SASS.)
+        # consecutive steps decode into two register sets (A, B, A, ...), and each wait lists both
+        # sets, so that neither is dead (free for the other step's decode) while its MMAs may run.
+        # The loop takes U steps a trip (a multiple of STAGES and of 2: every step's buffers and
+        # register set are known at compile time); the NSTEP % U steps left over run first, before
+        # the loop, in the sets that end on B. (``compile_offline.wgmma_operand_hazards`` checks the
+        # SASS.)
+        we_a = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
+        wo_a = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
         we_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
         wo_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
-        K1: gl.constexpr = NSTEP % 2
-        if K1 == 1:
-            acc, sb, we_b, wo_b = _step(0, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk, x_rows,
-                                        rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
-            acc, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_b, wo_b])
-        for kk in range(NSTEP // 2):
-            acc, sb, we_a, wo_a = _step(K1 + 2 * kk, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk,
-                                        x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
-            acc, we_b, wo_b, we_a, wo_a = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_b, wo_b, we_a, wo_a])
-            acc, sb, we_b, wo_b = _step(K1 + 2 * kk + 1, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk,
-                                        x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
+        U: gl.constexpr = STAGES if STAGES % 2 == 0 else 2 * STAGES
+        K1: gl.constexpr = NSTEP % U
+        for p in gl.static_range(K1):
+            if (K1 - p) % 2 == 1:
+                acc, sb, we_b, wo_b = _step(p * BK, acc, sb, ring[p % STAGES], ring[(p + D) % STAGES], c_src, c_ok,
+                                            s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
+                                            code_l, p7, x_l)
+            else:
+                acc, sb, we_a, wo_a = _step(p * BK, acc, sb, ring[p % STAGES], ring[(p + D) % STAGES], c_src, c_ok,
+                                            s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
+                                            code_l, p7, x_l)
             acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_a, wo_a, we_b, wo_b])
-        acc, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_b, wo_b])
+        for kk in range(NSTEP // U):
+            for s in gl.static_range(U):
+                k0 = (K1 + U * kk + s) * BK
+                if s % 2 == 0:
+                    acc, sb, we_a, wo_a = _step(k0, acc, sb, ring[(K1 + s) % STAGES], ring[(K1 + s + D) % STAGES],
+                                                c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK,
+                                                STAGES, FOLD, a_l, code_l, p7, x_l)
+                else:
+                    acc, sb, we_b, wo_b = _step(k0, acc, sb, ring[(K1 + s) % STAGES], ring[(K1 + s + D) % STAGES],
+                                                c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK,
+                                                STAGES, FOLD, a_l, code_l, p7, x_l)
+                acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2,
+                                                                 deps=[acc, we_a, wo_a, we_b, wo_b])
+        acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
         # every thread's copies (those past the last step write zeros) have landed and every warp is
         # past its last read of the ring before the caller's shared memory may reuse it
         async_copy.wait_group(0)
@@ -163,13 +186,24 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _step(k, acc, sb, c_s, xe_s, xo_s, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x,
+    def _copies(kd, bufs, c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH: gl.constexpr, NQ: gl.constexpr):
+        """The asynchronous copies of the step starting at reduction element ``kd`` into ``bufs``
+        (codes, even and odd activations); past the reduction's end every element is masked: no
+        global read, but the copy still writes its zeros."""
+        xm = rvalid_x[:, None] & ((kd // 2 + offs_hx) < KH)[None, :]
+        _cp_async(bufs[1], x_rows + kd, mask=xm)
+        _cp_async(bufs[2], x_rows + kd + 16, mask=xm)
+        _cp_async(bufs[0], c_src + (kd // 64) * 512, mask=c_ok & ((kd // 64 + q_c) < NQ)[None, :, None, None])
+
+    @gluon.jit
+    def _step(k0, acc, sb, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x,
               RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               FOLD: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, x_l: gl.constexpr):
-        """``_mainloop``'s step ``k``: wait for its copies, decode it (the previous step's MMAs still
-        run), issue its two MMAs on the decoded registers, start the copies of step
-        ``k + STAGES - 2``, load the next step's scale bytes. Returns ``(acc, next scale bytes, even
-        operand, odd operand)``: the caller keeps the operands live until a wait covers the MMAs."""
+        """``_mainloop``'s step at reduction element ``k0``: wait for its copies (in ``cur``), start the
+        copies of the step STAGES - 2 ahead (into ``nxt``, the buffers of the step two back), decode
+        (the previous step's MMAs still run), issue the two MMAs on the decoded registers, load the
+        next step's scale bytes. Returns ``(acc, next scale bytes, even operand, odd operand)``: the
+        caller keeps the operands live until a wait covers the MMAs."""
         BKH: gl.constexpr = BK // 2
         G: gl.constexpr = R // 16
         Q: gl.constexpr = BK // 64
@@ -179,16 +213,16 @@ if HAS_GLUON:
         D: gl.constexpr = STAGES - 2
         offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
         q_c = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
-        k0 = k * BK
-        i = k % STAGES
-        # step k's copies have landed once every thread's have; each thread orders its own copies
-        # before the MMAs' reads (the proxy fence), then meets the others (the barrier, which also
-        # means every warp has waited for step k - 2's MMAs, whose buffers the copies below refill);
-        # decode step k (step k - 1's MMAs still run)
+        # this step's copies have landed once every thread's have (a thread waits for its own, the
+        # barrier for the others'). The barrier also means every warp has waited for the MMAs of the
+        # step two back (the wait after the previous step), whose buffers ``nxt`` are, so the copies
+        # may refill them now. (cp.async writes need no proxy fence before wgmma reads them once
+        # waited for and met at a barrier: Triton's own tl.dot pipelines do the same.)
         async_copy.wait_group(D - 1)
-        fence_async_shared()
         _barrier()
-        t = _to_operand(c_s.index(i).load(code_l), G, Q, R, BKH)
+        _copies(k0 + D * BK, nxt, c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)
+        async_copy.commit_group()
+        t = _to_operand(cur[0].load(code_l), G, Q, R, BKH)
         b = sb
         if FOLD:
             b = b + 126
@@ -204,19 +238,8 @@ if HAS_GLUON:
         wo = gl.convert_layout(wo, a_l, assert_trivial=True)
         kn = k0 + BK
         sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
-        acc = warpgroup_mma(we, xe_s.index(i).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(wo, xo_s.index(i).permute((1, 0)), acc, is_async=True)
-        # the copies of step k + D (into the buffers of step k - 2; past the reduction's end every
-        # element is masked: no global read, but the copy still writes its zeros, hence the wait
-        # and the barrier after the loop)
-        kd = k0 + D * BK
-        j = (k + D) % STAGES
-        xm = rvalid_x[:, None] & ((kd // 2 + offs_hx) < KH)[None, :]
-        _cp_async(xe_s.index(j), x_rows + kd, mask=xm)
-        _cp_async(xo_s.index(j), x_rows + kd + 16, mask=xm)
-        _cp_async(c_s.index(j), c_src + (kd // 64) * 512,
-                  mask=c_ok & ((kd // 64 + q_c) < NQ)[None, :, None, None])
-        async_copy.commit_group()
+        acc = warpgroup_mma(we, cur[1].permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(wo, cur[2].permute((1, 0)), acc, is_async=True)
         return acc, sb, we, wo
 
     @gluon.jit
@@ -238,7 +261,7 @@ if HAS_GLUON:
     ):
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
-        STAGES >= 3 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``."""
+        an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``."""
         R: gl.constexpr = 2 * BN  # the operand's rows: BN of up (the first half of the warps), then BN of gate
         G: gl.constexpr = R // 16
         KS: gl.constexpr = K // 32
@@ -298,7 +321,7 @@ if HAS_GLUON:
         x_l: gl.constexpr,
     ):
         """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 warps (BN = 128
-        or 256: a warpgroup 64 of the W2 rows), STAGES >= 3; its layouts from ``layouts(BN, BM)``."""
+        or 256: a warpgroup 64 of the W2 rows), an even STAGES >= 4; its layouts from ``layouts(BN, BM)``."""
         NS: gl.constexpr = N // 32
         NQ: gl.constexpr = (N // 2 + 31) // 32
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)

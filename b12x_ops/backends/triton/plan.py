@@ -92,8 +92,8 @@ class Config:
     # the GEMV path without xq only: gemv1 and gemv2 as one launch (``kernels.gemv_fused_kernel``)
     fused: bool = False
     # the blocked path on sm_90 only: GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``: bn1 = 64
-    # or 128 in bn1 / 8 warps, stages1 >= 3), its MMAs asynchronous under the next step's decode;
-    # ``gluon2`` the same for GEMM2 (``gemm2_gluon_kernel``: bn2 = 128 or 256 in bn2 / 16 warps)
+    # or 128 in bn1 / 8 warps, an even stages1 >= 4), its MMAs asynchronous under the next step's decode;
+    # ``gluon2`` the same for GEMM2 (``gemm2_gluon_kernel``: bn2 = 128 or 256 in bn2 / 16 warps, an even stages2 >= 4)
     gluon: bool = False
     gluon2: bool = False
 
@@ -638,9 +638,10 @@ class GeometryPlans:
                 ln = mk(K_.gemv2_kernel, dict(gv, BN=cfg.bn2, BK=cfg.bk2, SPLIT=cfg.split2, STAGES=st2),
                         cfg.warps2, st2)
         elif kind == "gemm1" and cfg.gluon:
-            if not self.ptx or not GK.HAS_GLUON or cfg.bn1 not in (64, 128) or cfg.stages1 < 3:
+            if (not self.ptx or not GK.HAS_GLUON or cfg.bn1 not in (64, 128) or cfg.stages1 < 4
+                    or cfg.stages1 % 2):
                 raise ValueError(f"b12x_ops triton backend: no Gluon GEMM1 for {cfg} (it needs the inline-PTX "
-                                 "decode, triton's Gluon, bn1 = 64 or 128 and stages1 >= 3)")
+                                 "decode, triton's Gluon, bn1 = 64 or 128 and an even stages1 >= 4)")
             ln = mk(GK.gemm1_gluon_kernel,
                     dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                          HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
@@ -653,9 +654,10 @@ class GeometryPlans:
                          BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
                     cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
-            if not self.ptx or not GK.HAS_GLUON or cfg.bn2 not in (128, 256) or cfg.stages2 < 3:
+            if (not self.ptx or not GK.HAS_GLUON or cfg.bn2 not in (128, 256) or cfg.stages2 < 4
+                    or cfg.stages2 % 2):
                 raise ValueError(f"b12x_ops triton backend: no Gluon GEMM2 for {cfg} (it needs the inline-PTX "
-                                 "decode, triton's Gluon, bn2 = 128 or 256 and stages2 >= 3)")
+                                 "decode, triton's Gluon, bn2 = 128 or 256 and an even stages2 >= 4)")
             ln = mk(GK.gemm2_gluon_kernel,
                     dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                          BN=cfg.bn2, BK=cfg.bk2, STAGES=cfg.stages2, FOLD=self.fold, **GK.layouts(cfg.bn2, cfg.bm)),
