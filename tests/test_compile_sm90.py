@@ -209,7 +209,7 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     g = offline._geometry(GEOMETRIES[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=fold)
     gp.ptx, gp.fold, gp.dot_dtype = True, fold, triton.language.bfloat16
-    big = dataclasses.replace(P.default_config(8192, g), gluon=True, **P.GLUON_GEMM1)  # (whether or not N fits)
+    big = dataclasses.replace(P.default_config(8192, g), gluon=True, **P.GLUON_GEMM1)
     forms = [(1, big), (2, dataclasses.replace(big, gluon2=True, bn2=128, bk2=64, stages2=4)),
              (2, dataclasses.replace(big, gluon2=True, bn2=256, bk2=64, stages2=4)),
              (1, dataclasses.replace(big, bm=64, bn1=64))]

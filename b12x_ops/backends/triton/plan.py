@@ -171,14 +171,11 @@ def pdl_status(device) -> tuple[bool, str]:
 # GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``) on sm_90: its MMAs run asynchronously under
 # the next K step's decode, which ``tl.dot`` cannot express. On by default (B12X_OPS_TRITON_GLUON=0
 # turns it off) for plans of 128-row expert blocks, in this tile: 128 columns of up and of gate a
-# program (16 warps), 64-element steps, 4 stages; where those 128-column tiles would leave more than
-# ``GLUON_MAX_TAIL`` of N as padding, GEMM1 stays in tl.dot's 64-column tiles. H200, GEMM1 alone,
-# the same bits as the tl.dot GEMM1 (``benchmarks/results/gluon_gemms.md``): gpt-oss M = 8192 3873
-# -> 3101 us, Qwen3 M = 2048 473 -> 398, M = 8192 1549 -> 1208; the DeepSeek rank (N = 576: 4.5
-# tiles of 128, 11 % padding) M = 8192 2022 -> 2076, so it keeps tl.dot.
+# program (16 warps), 64-element steps, 4 stages. H200, GEMM1 alone at M = 8192, the same bits as the
+# tl.dot GEMM1 (``benchmarks/results/gluon_gemms.md``, section 4): gpt-oss 3879 -> 2803 us, Qwen3
+# 1559 -> 972, the DeepSeek rank 2025 -> 1764.
 GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=8)
 GLUON_MIN_BM = 128
-GLUON_MAX_TAIL = 0.05
 
 
 def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
@@ -197,14 +194,7 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
     return True, (f"on: GEMM1 of blocked calls with {GLUON_MIN_BM}-row expert blocks runs in Gluon, its MMAs under "
-                  "the next step's decode, where its 128-column tiles fit N (B12X_OPS_TRITON_GLUON=0 turns it off)")
-
-
-def gluon_fits(n: int) -> bool:
-    """Whether the Gluon GEMM1's column tiles (``GLUON_GEMM1['bn1']``) cover ``n`` with at most
-    ``GLUON_MAX_TAIL`` of padding."""
-    bn = GLUON_GEMM1["bn1"]
-    return -(-n // bn) * bn <= n * (1 + GLUON_MAX_TAIL)
+                  "the next step's decode (B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
 def _stages(bk: int, stages: int) -> int:
@@ -714,10 +704,9 @@ class GeometryPlans:
             a.need("slots", S * g.hidden_size, torch.float32)
 
     def with_gluon(self, cfg: Config) -> Config:
-        """``cfg`` with its GEMM1 in Gluon where this GPU takes it, the plan's blocks are large enough
-        and the tiles fit N (``GLUON_GEMM1``, ``gluon_fits``)."""
-        if (self.gluon and not cfg.gemv and cfg.bm >= GLUON_MIN_BM and not cfg.gluon
-                and gluon_fits(self.geometry.intermediate_size)):
+        """``cfg`` with its GEMM1 in Gluon where this GPU takes it and the plan's blocks are large
+        enough (``GLUON_GEMM1``)."""
+        if self.gluon and not cfg.gemv and cfg.bm >= GLUON_MIN_BM and not cfg.gluon:
             return dataclasses.replace(cfg, gluon=True, **GLUON_GEMM1)
         return cfg
 
