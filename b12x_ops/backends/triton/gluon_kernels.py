@@ -43,7 +43,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
     # (triton 3.6's name for cp.async into shared memory; later versions call it async_load)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     # (and its thread_barrier: a CTA barrier, later ``barrier``)
