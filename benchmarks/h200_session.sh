@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, then the benchmark. Results land under $OUT (or ./out).
-# usage: bash benchmarks/h200_session.sh [tests|bench|all] [extra bench args...]
+# usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all] [extra bench args...]
+# ptests: the whole GPU suite in four processes at once (its time is mostly compiling, on the CPU:
+# about 4 minutes on the H200 machine against 10 or more in one process), a log each.
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -10,6 +12,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 240 python3 -m pytest tests/test_triton_gpu.py -q --maxfail=6 -rs -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+fi
+if [ "$what" = ptests ]; then
+  groups=("test_gpu_matches_reference or gluon" "gemv or ptx or short_k"
+          "every_tile or routing or (deterministic and not gemv)"
+          "not test_gpu_matches_reference and not gluon and not gemv and not ptx and not short_k and not every_tile and not routing and not deterministic")
+  for i in "${!groups[@]}"; do
+    setsid timeout -k 5 "${PTESTS_TIMEOUT:-330}" python3 -m pytest tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider \
+      -k "${groups[$i]}" > "$OUT/gpu_tests_$i.log" 2>&1 &
+  done
+  wait
+  tail -n 4 "$OUT"/gpu_tests_*.log
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)
