@@ -627,41 +627,40 @@ class GeometryPlans:
             else:  # (gemm2: the GEMV path has no finalize)
                 ln = mk(K_.gemv2_kernel, dict(gv, BN=cfg.bn2, BK=cfg.bk2, SPLIT=cfg.split2, STAGES=st2),
                         cfg.warps2, st2)
-        elif kind == "gemm1" and cfg.gluon:
-            if (not self.ptx or not GK.HAS_GLUON or cfg.bn1 not in (64, 128) or cfg.stages1 < 4
-                    or cfg.stages1 % 2):
-                raise ValueError(f"b12x_ops triton backend: no Gluon GEMM1 for {cfg} (it needs the inline-PTX "
-                                 "decode, triton's Gluon, bn1 = 64 or 128 and an even stages1 >= 4)")
-            ln = mk(GK.gemm1_gluon_kernel,
-                    dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
-                         HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
-                         BK=cfg.bk1, STAGES=cfg.stages1, FOLD=self.fold, **GK.layouts(2 * cfg.bn1, cfg.bm)),
-                    cfg.bn1 // 8, 1)
-        elif kind == "gemm1":
-            ln = mk(K_.gemm1_kernel,
-                    dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
-                         HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
-                         BK=cfg.bk1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
-                    cfg.warps1, _stages(cfg.bk1, cfg.stages1))
-        elif kind == "gemm2" and cfg.gluon2:
-            if (not self.ptx or not GK.HAS_GLUON or cfg.bn2 not in (128, 256) or cfg.stages2 < 4
-                    or cfg.stages2 % 2):
-                raise ValueError(f"b12x_ops triton backend: no Gluon GEMM2 for {cfg} (it needs the inline-PTX "
-                                 "decode, triton's Gluon, bn2 = 128 or 256 and an even stages2 >= 4)")
-            ln = mk(GK.gemm2_gluon_kernel,
-                    dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                         BN=cfg.bn2, BK=cfg.bk2, STAGES=cfg.stages2, FOLD=self.fold, **GK.layouts(cfg.bn2, cfg.bm)),
-                    cfg.bn2 // 16, 1)
+        elif kind == "gemm1":  # (tl.dot, or Gluon: the same tile's constexprs, the layouts instead of the dot's)
+            g1 = dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
+                      HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
+                      BK=cfg.bk1, FOLD=self.fold)
+            if cfg.gluon:
+                self._check_gluon(cfg, "GEMM1", "bn1", cfg.bn1, (64, 128), "stages1", cfg.stages1)
+                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
+                        cfg.bn1 // 8, 1)
+            else:
+                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx), cfg.warps1,
+                        _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
-            ln = mk(K_.gemm2_kernel,
-                    dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                         BN=cfg.bn2, BK=cfg.bk2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold),
-                    cfg.warps2, _stages(cfg.bk2, cfg.stages2))
+            g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
+                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold)
+            if cfg.gluon2:
+                self._check_gluon(cfg, "GEMM2", "bn2", cfg.bn2, (128, 256), "stages2", cfg.stages2)
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
+                        cfg.bn2 // 16, 1)
+            else:
+                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx), cfg.warps2,
+                        _stages(cfg.bk2, cfg.stages2))
         else:
             f = FINALIZE
             ln = mk(K_.finalize_kernel, dict(common, ATOMIC=cfg.atomic, BR=f["BR"], BK=f["BK"]), f["warps"], 1)
         self.launches[key] = ln
         return ln
+
+    def _check_gluon(self, cfg: Config, stage: str, bn_name: str, bn: int, widths: tuple, st_name: str,
+                     stages: int) -> None:
+        """A Gluon GEMM's requirements (``gluon_kernels``), before anything compiles."""
+        if not self.ptx or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2:
+            raise ValueError(f"b12x_ops triton backend: no Gluon {stage} for {cfg} (it needs the inline-PTX "
+                             f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]} and an even "
+                             f"{st_name} >= 4)")
 
     def reserve(self, cap: int, cfg: Config) -> None:
         g = self.geometry
