@@ -145,45 +145,49 @@ if HAS_GLUON:
         # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
         # consecutive steps decode into two register sets (A, B, A, ...), and each wait lists both
         # sets, so that neither is dead (free for the other step's decode) while its MMAs may run.
-        # The loop takes U steps a trip (a multiple of STAGES and of 2: every step's buffers and
-        # register set are known at compile time); the NSTEP % U steps left over run first, before
-        # the loop, in the sets that end on B. (``compile_offline.wgmma_operand_hazards`` checks the
-        # SASS.)
+        # The loop takes STAGES steps a trip (an even count: every step's buffers and register set
+        # are known at compile time); the NSTEP % STAGES steps left over run first, before the loop,
+        # in the sets that end on B. (``compile_offline.wgmma_operand_hazards`` checks the SASS.)
+        gl.static_assert(STAGES % 2 == 0)
         we_a = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
         wo_a = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
         we_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
         wo_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
-        U: gl.constexpr = STAGES if STAGES % 2 == 0 else 2 * STAGES
-        K1: gl.constexpr = NSTEP % U
+        K1: gl.constexpr = NSTEP % STAGES
         for p in gl.static_range(K1):
-            if (K1 - p) % 2 == 1:
-                acc, sb, we_b, wo_b = _step(p * BK, acc, sb, ring[p % STAGES], ring[(p + D) % STAGES], c_src, c_ok,
-                                            s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
-                                            code_l, p7, x_l)
-            else:
-                acc, sb, we_a, wo_a = _step(p * BK, acc, sb, ring[p % STAGES], ring[(p + D) % STAGES], c_src, c_ok,
-                                            s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
-                                            code_l, p7, x_l)
-            acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_a, wo_a, we_b, wo_b])
-        for kk in range(NSTEP // U):
-            for s in gl.static_range(U):
-                k0 = (K1 + U * kk + s) * BK
-                if s % 2 == 0:
-                    acc, sb, we_a, wo_a = _step(k0, acc, sb, ring[(K1 + s) % STAGES], ring[(K1 + s + D) % STAGES],
-                                                c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK,
-                                                STAGES, FOLD, a_l, code_l, p7, x_l)
-                else:
-                    acc, sb, we_b, wo_b = _step(k0, acc, sb, ring[(K1 + s) % STAGES], ring[(K1 + s + D) % STAGES],
-                                                c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK,
-                                                STAGES, FOLD, a_l, code_l, p7, x_l)
-                acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2,
-                                                                 deps=[acc, we_a, wo_a, we_b, wo_b])
+            acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b,
+                                                           ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                           sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
+                                                           code_l, p7, x_l)
+        for kk in range(NSTEP // STAGES):
+            for s in gl.static_range(STAGES):
+                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a,
+                                                               wo_a, we_b, wo_b, ring[(K1 + s) % STAGES],
+                                                               ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                               sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD,
+                                                               a_l, code_l, p7, x_l)
         acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
         # every thread's copies (those past the last step write zeros) have landed and every warp is
         # past its last read of the ring before the caller's shared memory may reuse it
         async_copy.wait_group(0)
         _barrier()
         return acc
+
+    @gluon.jit
+    def _step_in_set(B: gl.constexpr, k0, acc, sb, we_a, wo_a, we_b, wo_b, cur, nxt, c_src, c_ok, s_src, s_ok, sblk,
+                     x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, FOLD: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr,
+                     p7: gl.constexpr, x_l: gl.constexpr):
+        """``_step`` decoding into register set B (else A), then the wait that leaves its two MMAs and
+        the previous step's in flight, listing both sets: ``(acc, sb, we_a, wo_a, we_b, wo_b)``."""
+        acc, sb, we, wo = _step(k0, acc, sb, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM,
+                                BK, STAGES, FOLD, a_l, code_l, p7, x_l)
+        if B:
+            we_b, wo_b = we, wo
+        else:
+            we_a, wo_a = we, wo
+        acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_a, wo_a, we_b, wo_b])
+        return acc, sb, we_a, wo_a, we_b, wo_b
 
     @gluon.jit
     def _copies(kd, bufs, c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH: gl.constexpr, NQ: gl.constexpr):
