@@ -90,13 +90,22 @@ def loop_profile(cubin: bytes) -> list[tuple[int, collections.Counter]]:
     """Per loop (a backward branch): its body's instruction count and the count of each opcode."""
     ins = sass_instructions(_cuobjdump(cubin, "-sass"))
     loops = []
-    for addr, text in ins:
-        m = re.search(r"BRA (?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
-        if m and m.group(1) and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-            loops.append((len(body), ops))
+    for lo, hi in _loops(ins):
+        body = [t for _, t in ins[lo:hi + 1]]
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+        loops.append((len(body), ops))
     return loops
+
+
+def _loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """``(first, last)`` indices in ``ins`` of each loop: a branch back to an earlier instruction."""
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    out = []
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            out.append((at[int(m.group(1), 16)], i))
+    return out
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str]]:
@@ -130,13 +139,7 @@ def wgmma_operand_hazards(sass: str) -> list[tuple[int, int, str]]:
     back edge once. ptxas does not always catch these across a loop's iterations (the hardware then
     reads whatever the writer left)."""
     ins = sass_instructions(sass)
-    at = {a: i for i, (a, _) in enumerate(ins)}
-    loop = None
-    for i, (a, t) in enumerate(ins):
-        m = re.search(r"BRA\s+0x([0-9a-f]+)", t)
-        if m and int(m.group(1), 16) < a and any("HGMMA" in x for _, x in ins[at[int(m.group(1), 16)]:i + 1]):
-            loop = (at[int(m.group(1), 16)], i)
-            break
+    loop = next(((lo, hi) for lo, hi in _loops(ins) if any("HGMMA" in x for _, x in ins[lo:hi + 1])), None)
     found = []
     for p, (a, t) in enumerate(ins):
         m = re.search(r"HGMMA\S*\s+R\d+,\s+R(\d+)", t)
