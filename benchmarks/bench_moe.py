@@ -133,6 +133,25 @@ def layer_batches(M, E, K, top_k, layers, device="cuda"):
     return xs, idss, wss, outs
 
 
+def experiment_handles(name, max_tokens, layers=3, **options):
+    """The experiments' layers: ``layers`` random layers of geometry ``name`` (seeds 100, 101, ...)
+    prepared for the Triton backend, untuned and unfrozen (experiments add launches), with
+    ``options``."""
+    geo = GEOMETRIES[name]
+    return [b12x_ops.prepare_experts(*random_layer(geo["E"], geo["K"], geo["N"], "cuda", 100 + i), top_k=geo["top_k"],
+                                     swiglu_limit=geo["limit"], backend="triton", tune=False, max_tokens=max_tokens,
+                                     frozen=False, **options) for i in range(layers)]
+
+
+def whole_op_us(handles, cfg, xs, idss, wss, outs, reps=10):
+    """us per layer of the whole op in ``cfg`` on each handle's batch, replayed from one CUDA graph."""
+    from b12x_ops.backends.triton import _launch_all
+
+    calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o)
+             for h, x, ids, w, o in zip(handles, xs, idss, wss, outs)]
+    return graph_time(calls, reps=reps) * 1e6
+
+
 def log_host_profile(call, log, n=200):
     """Where an eager call's host time goes: cProfile over ``n`` calls, the top functions by own time."""
     import cProfile

@@ -24,10 +24,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 sys.path.insert(0, os.path.dirname(_HERE))
 
-import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, graph_time, layer_batches, random_layer  # noqa: E402
+from bench_moe import GEOMETRIES, experiment_handles, graph_time, layer_batches, whole_op_us  # noqa: E402
 
 FORMS = [(64, 64, 4), (128, 64, 4), (128, 128, 4), (128, 64, 6)]  # GEMM1's (bn1, bk1, stages1)
 FORMS2 = [(128, 64, 4), (256, 64, 4), (256, 128, 4)]  # GEMM2's (bn2, bk2, stages2)
@@ -40,10 +39,8 @@ def main():
     forms2 = [tuple(map(int, f.split("/"))) for f in sys.argv[4].split(",") if f] if len(sys.argv) > 4 else FORMS2
     for name in names:
         geo = GEOMETRIES[name]
-        E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
-        layers = [random_layer(E, K, N, "cuda", 100 + i) for i in range(3)]
-        hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
-                                       max_tokens=max(sizes), frozen=False) for lw in layers]
+        E, K, top_k = geo["E"], geo["K"], geo["top_k"]
+        hs = experiment_handles(name, max(sizes))
         st = hs[0]._state
         gp = st.plans
         for M in sizes:
@@ -97,9 +94,7 @@ def main():
                     ln = gp.stages(cfg, M)[1 if stage == "gemm1" else 2]
                     t1 = graph_time([lambda: _launch_all(st, cfg, xs[0], idss[0], wss[0], outs[0],
                                                          stages=(stage,))], reps=20) * 1e6
-                    calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o)
-                             for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
-                    t = graph_time(calls, reps=10) * 1e6
+                    t = whole_op_us(hs, cfg, xs, idss, wss, outs)
                     ck = ln.compiled
                     rows.append(f"  {label}: {stage} {t1:.1f} us, whole op {t:.1f} us/layer{same}; "
                                 f"{getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills, "
@@ -111,7 +106,7 @@ def main():
                 if capped is not None:
                     del gp.launches[capped]
                 print(rows[-1], flush=True)
-        del hs, layers
+        del hs
         torch.cuda.empty_cache()
 
 

@@ -21,10 +21,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 sys.path.insert(0, os.path.dirname(_HERE))
 
-import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, graph_time, layer_batches, random_layer  # noqa: E402
+from bench_moe import GEOMETRIES, experiment_handles, layer_batches, whole_op_us  # noqa: E402
 
 
 def forms(M, gp):
@@ -53,10 +52,8 @@ def main():
     sizes = [int(m) for m in sys.argv[2].split(",")]
     for name in names:
         geo = GEOMETRIES[name]
-        E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
-        layers = [random_layer(E, K, N, "cuda", 100 + i) for i in range(3)]
-        hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
-                                       max_tokens=max(sizes), frozen=False) for lw in layers]
+        E, K, top_k = geo["E"], geo["K"], geo["top_k"]
+        hs = experiment_handles(name, max(sizes))
         gp = hs[0]._state.plans
         for M in sizes:
             xs, idss, wss, outs = layer_batches(M, E, K, top_k, 3)
@@ -68,14 +65,12 @@ def main():
                     _launch_all(hs[0]._state, cfg, xs[0], idss[0], wss[0], outs[0])
                     got = outs[0].clone()
                     want = got if want is None else want
-                    calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o)
-                             for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
-                    t = graph_time(calls, reps=10) * 1e6
+                    t = whole_op_us(hs, cfg, xs, idss, wss, outs)
                     print(f"  {label} (bm {cfg.bm}): {t:.1f} us/layer; rel L2 from the default "
                           f"{rel_l2(got, want):.1e}", flush=True)
                 except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
                     print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-300:]}", flush=True)
-        del hs, layers
+        del hs
         torch.cuda.empty_cache()
 
 

@@ -66,14 +66,12 @@ def check():
 
 
 def bench(args):
-    from bench_moe import GEOMETRIES, graph_time, layer_batches, random_layer
+    from bench_moe import GEOMETRIES, experiment_handles, layer_batches, whole_op_us
 
     for name in args.geometries:
         geo = GEOMETRIES[name]
-        E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
-        layers = [random_layer(E, K, N, "cuda", 100 + i) for i in range(3)]
-        hs = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton", tune=False,
-                                       max_tokens=max(args.sizes), frozen=False) for lw in layers]
+        E, K, top_k = geo["E"], geo["K"], geo["top_k"]
+        hs = experiment_handles(name, max(args.sizes))
         gp = hs[0]._state.plans
         for M in args.sizes:
             xs, idss, wss, outs = layer_batches(M, E, K, top_k, 3)
@@ -92,16 +90,14 @@ def bench(args):
                     _launch_all(hs[0]._state, cfg, xs[0], idss[0], wss[0], outs[0])
                     o = outs[0].clone()
                     first = o if first is None else first
-                    calls = [lambda h=h, x=x, ids=ids, w=w, o=o: _launch_all(h._state, cfg, x, ids, w, o)
-                             for h, x, ids, w, o in zip(hs, xs, idss, wss, outs)]
-                    t = graph_time(calls, reps=10) * 1e6
+                    t = whole_op_us(hs, cfg, xs, idss, wss, outs)
                     print(f"{name} M={M} bm={cfg.bm} {label}: {t:.1f} us, diff from default {rel(o, first):.1e}",
                           flush=True)
                 except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
                     print(f"{name} M={M} bm={cfg.bm} {label}: failed: {type(exc).__name__}: {str(exc)[:100]}")
                 if key is not None:
                     gp.launches.pop(key, None)
-        del hs, layers
+        del hs
         torch.cuda.empty_cache()
 
 
