@@ -367,9 +367,9 @@ def test_gpu_gemv_fused_matches_two_launches(name):
 def test_gpu_gluon_gemms_match_tl_gemms(name):
     """The GEMMs in Gluon (``gluon_kernels``: asynchronous MMAs under the next step's decode; sm_90)
     write the same bits as the ``tl.dot`` GEMMs of the same block size and K step (GEMM1's
-    intermediate activations, GEMM2's per-slot rows of the deterministic form), for both tile
-    heights, several K steps and pipeline depths, tails of K and N, padding, both W13 layouts, the
-    limit and the global scales; and the whole op with both stays within the reference's bound.
+    intermediate activations, GEMM2's per-slot rows of the deterministic form), for blocks of 16, 64
+    and 128 rows, both tile heights, several K steps and pipeline depths, tails of K and N, padding,
+    both W13 layouts, the limit and the global scales; and the whole op with both stays within the reference's bound.
     (One routing pass serves each comparison: with several routing programs the order of a block's
     rows depends on their atomics.)"""
     import dataclasses
@@ -388,7 +388,7 @@ def test_gpu_gluon_gemms_match_tl_gemms(name):
     for i, M in enumerate((37, 700)):
         x, ids, w = make_batch(layer, M, seed=80 + i, device="cuda", padding_rows=3)
         out = torch.empty_like(x)
-        for bm in (64, 128):
+        for bm in (16, 64, 128):  # (16: the blocks of 8-64 tokens, where the Gluon GEMMs are not the default yet)
             base = dataclasses.replace(P.default_config(M, g, gemv=False), bm=bm, atomic=False)
             st.plans.reserve(M, base)
             _launch_all(st, base, x, ids, w, out, stages=("prologue",))
