@@ -220,6 +220,29 @@ def test_gpu_tuning_cache_roundtrip(tmp_path):
     assert rel_l2(b12x_ops.moe_w4a8(x, ids, w, h), b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))) <= 1e-2
 
 
+def test_gpu_tuner_times_the_gluon_gemms(tmp_path):
+    """On sm_90 the tuner times the Gluon GEMMs too (``plan.candidate_configs(..., gluon=True)``) at
+    the counts whose blocks are large enough: what it picks is one of those candidates, comes back
+    from the cache unchanged, and matches the reference."""
+    from b12x_ops.backends.triton import plan as P
+
+    layer = make_layer(E=8, K=512, N=256, top_k=2, device="cuda", seed=12)
+    h = layer.prepare(backend="triton", tune=True, cache_dir=str(tmp_path), max_tokens=1024)
+    gp = h._state.plans
+    if not gp.gluon:
+        pytest.skip(f"the Gluon GEMMs do not run here: {P.gluon_status(gp.geometry.device)[1]}")
+    cands = P.candidate_configs(1024, gp.geometry, gp.gemv, True)
+    assert any(c.gluon or c.gluon2 for c in cands)
+    assert gp.configs[1024] in cands or any(  # (the tuner pairs the best GEMM1 and GEMM2 of a block size)
+        gp.configs[1024].tiles1() == c.tiles1() and gp.configs[1024].gluon == c.gluon for c in cands)
+    (path,) = tmp_path.iterdir()
+    assert P.load_cache(str(path))[1024] == gp.configs[1024]
+    ref = layer.prepare(backend="reference")
+    for M in (300, 1024):
+        x, ids, w = make_batch(layer, M, seed=M, device="cuda")
+        assert rel_l2(b12x_ops.moe_w4a8(x, ids, w, h), b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, M
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b", "odd-ep"])
 def test_gpu_gemv_path_matches_reference_and_blocked(name):

@@ -135,3 +135,57 @@ def test_gluon_gemm1_takes_the_large_block_plans_only(name, monkeypatch):
     assert 8192 in seen  # (the largest batches always run 128-row blocks)
     gp.gluon = False
     assert gp.with_gluon(P.default_config(8192, g)) == P.default_config(8192, g)
+
+
+@pytest.mark.parametrize("name", list(GEOS))
+@pytest.mark.parametrize("tokens", [16, 512, 2048, 8192])
+def test_tuner_times_the_gluon_gemms_where_they_run(name, tokens):
+    """On a GPU that runs the Gluon GEMMs (``gluon=True``) the tuner also times GEMM1 and GEMM2 in
+    Gluon, at the block sizes of at least ``GLUON_TUNE_MIN_BM`` rows the regime offers, each beside
+    the other GEMM's tl.dot tile; their tiles are ones a plan can launch (``GeometryPlans.launch``'s
+    checks), and without ``gluon`` the search space is the tl.dot one alone."""
+    g = geometry(*GEOS[name])
+    plain = P.candidate_configs(tokens, g, False)
+    assert not any(c.gluon or c.gluon2 for c in plain)
+    cands = P.candidate_configs(tokens, g, False, gluon=True)
+    assert cands[:len(plain)] == plain
+    extra = cands[len(plain):]
+    sizes = sorted({bm for bm, _, _ in P._regime(tokens, g) if bm >= P.GLUON_TUNE_MIN_BM})
+    assert sorted({c.bm for c in extra}) == sizes and len(extra) == 2 * len(sizes)
+    for c in extra:
+        assert c.gluon != c.gluon2 and not c.gemv and c.atomic == plain[0].atomic
+        if c.gluon:
+            assert c.bn1 in (64, 128) and c.stages1 >= 4 and c.stages1 % 2 == 0
+            assert (c.bn1, c.bk1, c.stages1, c.warps1) == tuple(P.GLUON_GEMM1[k] for k in ("bn1", "bk1", "stages1", "warps1"))
+        else:
+            assert c.bn2 in (128, 256) and c.stages2 >= 4 and c.stages2 % 2 == 0
+            assert c.warps2 == c.bn2 // 16  # (the launch's warps)
+    # the tuner keys a stage by its tile and form (``_tune_one``): per block size, the tl.dot keys are
+    # the plain search's and the Gluon GEMM1/GEMM2 add one key each
+    for bm in sizes:
+        k1 = {(c.tiles1(), c.gluon) for c in cands if c.bm == bm}
+        k2 = {(c.tiles2(), c.gluon2) for c in cands if c.bm == bm}
+        assert k1 == {(c.tiles1(), False) for c in plain if c.bm == bm} | {(extra[0].tiles1(), True)}
+        assert k2 == {(c.tiles2(), False) for c in plain if c.bm == bm} | {(extra[1].tiles2(), True)}
+
+
+def test_untuned_plans_take_the_gluon_gemm1_and_tuned_ones_keep_their_choice(tmp_path):
+    """Without tuning a plan's configs are the defaults with ``with_gluon`` applied (GEMM1 in Gluon
+    at 128-row blocks where the GPU runs it); ``add`` keeps a config as given (a tuned one, which
+    may have timed tl.dot faster); the tuning cache is keyed by whether Gluon was in the search."""
+    import types
+
+    from b12x_ops.backends import triton as TB
+
+    g = geometry(*GEOS["gpt-oss-120b"])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
+    gp.gluon = True  # (as an sm_90 prepare sets it)
+    state = types.SimpleNamespace(plans=gp)
+    chosen = TB._choose_configs(state, [1, 64, 8192], tune=False, cache_dir_opt=str(tmp_path))
+    assert chosen[8192] == gp.with_gluon(P.default_config(8192, g)) and chosen[8192].gluon
+    assert chosen[1] == P.default_config(1, g) and chosen[64] == P.default_config(64, g)
+    plain = P.default_config(8192, g)
+    gp.add(8192, plain)
+    assert gp.configs[8192] == plain and not gp.configs[8192].gluon
+    a, b = (P.cache_path(g, str(tmp_path), None, True, gl) for gl in (False, True))
+    assert a != b

@@ -183,8 +183,8 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     g = state.plans.geometry
     mode = state.plans.gemv
     if not tune:
-        return {c: P.default_config(c, g, mode) for c in caps}
-    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx)
+        return {c: state.plans.with_gluon(P.default_config(c, g, mode)) for c in caps}
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx, state.plans.gluon)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -237,7 +237,7 @@ def _tune_one(state, cap):
     g = gp.geometry
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
-    cands = P.candidate_configs(cap, g, gp.gemv)
+    cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon)
     best = None
     for bm, gemv in sorted({(c.bm, c.gemv) for c in cands}):
         group = [c for c in cands if (c.bm, c.gemv) == (bm, gemv)]
@@ -250,7 +250,7 @@ def _tune_one(state, cap):
         t1 = {}
         t2 = {}
         for c in group:
-            k1, k2 = c.tiles1(), c.tiles2()
+            k1, k2 = (c.tiles1(), c.gluon), (c.tiles2(), c.gluon2)  # (a Gluon GEMM and tl.dot's of one tile differ)
             try:
                 if k1 not in t1:
                     t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=st1))
@@ -264,7 +264,8 @@ def _tune_one(state, cap):
         b2 = min(t2, key=t2.get)
         total = t1[b1] + t2[b2]
         if best is None or total < best[0]:
-            best = (total, P.Config.of(bm, b1, b2, group[0].atomic, gemv=gemv))
+            best = (total, dataclasses.replace(P.Config.of(bm, b1[0], b2[0], group[0].atomic, gemv=gemv),
+                                               gluon=b1[1], gluon2=b2[1]))
     return best[1]
 
 

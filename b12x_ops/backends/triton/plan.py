@@ -176,6 +176,13 @@ def pdl_status(device) -> tuple[bool, str]:
 # 1559 -> 972, the DeepSeek rank 2025 -> 1764.
 GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=8)
 GLUON_MIN_BM = 128
+# What else the tuner times on such a GPU (``candidate_configs(..., gluon=True)``), at blocks of at
+# least GLUON_TUNE_MIN_BM rows (the block sizes the GPU test covers): GEMM1 in Gluon at the plan's own
+# block size, and GEMM2 in Gluon, 256 of the W2 rows a program (16 warps). GEMM2 in Gluon was faster
+# than tl.dot on gpt-oss at M = 8192 (1481 against 1702 us) and slower on the short reductions of Qwen3
+# and DSv4 (``results/gluon_gemms.md`` section 4), so only a tuned plan takes it.
+GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)
+GLUON_TUNE_MIN_BM = 64
 
 
 def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
@@ -342,9 +349,11 @@ def default_config(tokens: int, geometry, gemv=None) -> Config:
     return Config(bm, *g1, *g2, _atomic(tokens, geometry))
 
 
-def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
+def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> list[Config]:
     """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately):
-    the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced."""
+    the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced, and
+    with ``gluon`` (a GPU that runs them: ``gluon_status``) the Gluon GEMMs at blocks of at least
+    ``GLUON_TUNE_MIN_BM`` rows."""
     out = []
     if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
         t1, t2 = gemv_candidates(geometry)
@@ -364,6 +373,12 @@ def candidate_configs(tokens: int, geometry, gemv=None) -> list[Config]:
                 c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
                 if c not in out:
                     out.append(c)
+    if gluon:  # (sm_90: the Gluon GEMMs beside the tl.dot tiles, crossed with them by the tuner)
+        for bm, g1, g2 in cands:
+            if bm >= GLUON_TUNE_MIN_BM:
+                c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
+                out += [dataclasses.replace(c, gluon=True, **GLUON_GEMM1),
+                        dataclasses.replace(c, gluon2=True, **GLUON_GEMM2)]
     return out
 
 
@@ -704,13 +719,13 @@ class GeometryPlans:
 
     def with_gluon(self, cfg: Config) -> Config:
         """``cfg`` with its GEMM1 in Gluon where this GPU takes it and the plan's blocks are large
-        enough (``GLUON_GEMM1``)."""
+        enough (``GLUON_GEMM1``): what an untuned plan runs (a tuned one runs what the tuner timed
+        fastest, ``candidate_configs(..., gluon=True)``)."""
         if self.gluon and not cfg.gemv and cfg.bm >= GLUON_MIN_BM and not cfg.gluon:
             return dataclasses.replace(cfg, gluon=True, **GLUON_GEMM1)
         return cfg
 
     def add(self, cap: int, cfg: Config) -> None:
-        cfg = self.with_gluon(cfg)
         self.configs[cap] = cfg
         self.caps = sorted(self.configs)
         self.reserve(cap, cfg)
@@ -726,11 +741,11 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str, gemv=None, ptx=False) -> str:
+def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 8, gemv, ptx])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 9, gemv, ptx, gluon])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
