@@ -212,7 +212,8 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     big = dataclasses.replace(P.default_config(8192, g), gluon=True, **P.GLUON_GEMM1)
     forms = [(1, big), (2, dataclasses.replace(big, gluon2=True, bn2=128, bk2=64, stages2=4)),
              (2, dataclasses.replace(big, gluon2=True, bn2=256, bk2=64, stages2=4)),
-             (1, dataclasses.replace(big, bm=64, bn1=64))]
+             (1, dataclasses.replace(big, bm=64, bn1=64)), (1, dataclasses.replace(big, bm=32, bn1=64)),
+             (2, dataclasses.replace(big, bm=32, gluon2=True, **P.GLUON_GEMM2_SMALL))]
     for which, cfg in forms:
         ln = gp.stages(cfg, 8192)[which]
         ck = offline.compile_launch(ln, 90)

@@ -107,10 +107,13 @@ def test_gemv_splits_are_valid_for_any_layer(E, K, N, top_k, tokens):
 
 
 @pytest.mark.parametrize("name", list(GEOS))
-def test_gluon_gemm1_takes_the_large_block_plans_only(name, monkeypatch):
-    """Where the Gluon GEMM1 is on (``plan.GLUON_GEMM1``: by default on sm_90), a plan of 128-row
-    expert blocks gets it, in its measured tile; smaller blocks and the GEMV path keep the tl.dot
-    kernels; turned off, and on a CPU geometry, it is off (``gluon_status`` says why)."""
+def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch):
+    """Where the Gluon GEMMs are on (by default on sm_90), a plan of at least ``GLUON_MIN_BM``-row
+    expert blocks gets them in the forms measured for its block size (``gluon_forms``: GEMM1 in 64
+    columns below 128-row blocks, 128 at them; GEMM2 in 128 rows below, in 256 at 128-row blocks
+    only where its reduction is long); smaller blocks and the GEMV path keep the tl.dot kernels;
+    the rest of the config is unchanged; turned off, and on a CPU geometry, it is off
+    (``gluon_status`` says why)."""
     g = geometry(*GEOS[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
     assert not gp.gluon  # (a dry plan, on the CPU)
@@ -125,14 +128,26 @@ def test_gluon_gemm1_takes_the_large_block_plans_only(name, monkeypatch):
     for tokens in (1, 4, 16, 64, 512, 2048, 8192):
         cfg = P.default_config(tokens, g)
         got = gp.with_gluon(cfg)
+        assert got.bm == cfg.bm and got.atomic == cfg.atomic and got.gemv == cfg.gemv
         if cfg.gemv or cfg.bm < P.GLUON_MIN_BM:
             assert got == cfg
+            continue
+        seen.add(cfg.bm)
+        assert got.gluon
+        want1 = (64, 64, 4) if cfg.bm < 128 else (128, 64, 4)
+        assert (got.bn1, got.bk1, got.stages1) == want1
+        if cfg.bm < 128:
+            assert got.gluon2 and (got.bn2, got.bk2, got.stages2, got.warps2) == (128, 64, 4, 8)
+        elif g.intermediate_size >= P.GLUON2_MIN_N:
+            assert got.gluon2 and (got.bn2, got.bk2, got.stages2, got.warps2) == (256, 64, 4, 16)
         else:
-            assert got.gluon and not got.gluon2
-            assert (got.bn1, got.bk1, got.stages1, got.warps1) == (128, 64, 4, 8)
-            assert got.bm == cfg.bm and got.tiles2() == cfg.tiles2() and got.atomic == cfg.atomic
-            seen.add(tokens)
-    assert 8192 in seen  # (the largest batches always run 128-row blocks)
+            assert not got.gluon2 and got.tiles2() == cfg.tiles2()
+        assert gp.with_gluon(got) == got  # (a config already in Gluon is kept as it is)
+    assert 128 in seen  # (the largest batches always run 128-row blocks)
+    for bm in (16, 32, 64, 128):  # (every block size: what gluon_forms picks, or tl.dot below GLUON_MIN_BM)
+        f1, f2 = P.gluon_forms(bm, g.intermediate_size)
+        assert (f1 is None) == (bm < P.GLUON_MIN_BM)
+        assert (f2 is None) == (bm < P.GLUON_MIN_BM or (bm >= 128 and g.intermediate_size < P.GLUON2_MIN_N))
     gp.gluon = False
     assert gp.with_gluon(P.default_config(8192, g)) == P.default_config(8192, g)
 
@@ -151,22 +166,26 @@ def test_tuner_times_the_gluon_gemms_where_they_run(name, tokens):
     assert cands[:len(plain)] == plain
     extra = cands[len(plain):]
     sizes = sorted({bm for bm, _, _ in P._regime(tokens, g) if bm >= P.GLUON_TUNE_MIN_BM})
-    assert sorted({c.bm for c in extra}) == sizes and len(extra) == 2 * len(sizes)
+    assert sorted({c.bm for c in extra}) == sizes and len(extra) == 4 * len(sizes)
+    forms1 = {tuple(f[k] for k in ("bn1", "bk1", "stages1", "warps1")) for f in (P.GLUON_GEMM1, P.GLUON_GEMM1_SMALL)}
     for c in extra:
         assert c.gluon != c.gluon2 and not c.gemv and c.atomic == plain[0].atomic
         if c.gluon:
             assert c.bn1 in (64, 128) and c.stages1 >= 4 and c.stages1 % 2 == 0
-            assert (c.bn1, c.bk1, c.stages1, c.warps1) == tuple(P.GLUON_GEMM1[k] for k in ("bn1", "bk1", "stages1", "warps1"))
+            assert (c.bn1, c.bk1, c.stages1, c.warps1) in forms1
         else:
             assert c.bn2 in (128, 256) and c.stages2 >= 4 and c.stages2 % 2 == 0
             assert c.warps2 == c.bn2 // 16  # (the launch's warps)
     # the tuner keys a stage by its tile and form (``_tune_one``): per block size, the tl.dot keys are
-    # the plain search's and the Gluon GEMM1/GEMM2 add one key each
+    # the plain search's and each Gluon form of GEMM1 / GEMM2 adds one key
     for bm in sizes:
         k1 = {(c.tiles1(), c.gluon) for c in cands if c.bm == bm}
         k2 = {(c.tiles2(), c.gluon2) for c in cands if c.bm == bm}
-        assert k1 == {(c.tiles1(), False) for c in plain if c.bm == bm} | {(extra[0].tiles1(), True)}
-        assert k2 == {(c.tiles2(), False) for c in plain if c.bm == bm} | {(extra[1].tiles2(), True)}
+        assert k1 == {(c.tiles1(), False) for c in plain if c.bm == bm} | {
+            (c.tiles1(), True) for c in extra if c.bm == bm and c.gluon}
+        assert k2 == {(c.tiles2(), False) for c in plain if c.bm == bm} | {
+            (c.tiles2(), True) for c in extra if c.bm == bm and c.gluon2}
+        assert len(k1) == len({(c.tiles1(), False) for c in plain if c.bm == bm}) + 2
 
 
 def test_untuned_plans_take_the_gluon_gemm1_and_tuned_ones_keep_their_choice(tmp_path):

@@ -168,25 +168,43 @@ def pdl_status(device) -> tuple[bool, str]:
     return True, "on (B12X_OPS_TRITON_PDL=1)"
 
 
-# GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``) on sm_90: its MMAs run asynchronously under
-# the next K step's decode, which ``tl.dot`` cannot express. On by default (B12X_OPS_TRITON_GLUON=0
-# turns it off) for plans of 128-row expert blocks, in this tile: 128 columns of up and of gate a
-# program (16 warps), 64-element steps, 4 stages. H200, GEMM1 alone at M = 8192, the same bits as the
-# tl.dot GEMM1 (``benchmarks/results/gluon_gemms.md``, section 4): gpt-oss 3879 -> 2803 us, Qwen3
-# 1559 -> 972, the DeepSeek rank 2025 -> 1764.
-GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=8)
-GLUON_MIN_BM = 128
-# What else the tuner times on such a GPU (``candidate_configs(..., gluon=True)``), at blocks of at
-# least GLUON_TUNE_MIN_BM rows (the block sizes the GPU test covers): GEMM1 in Gluon at the plan's own
-# block size, and GEMM2 in Gluon, 256 of the W2 rows a program (16 warps). GEMM2 in Gluon was faster
-# than tl.dot on gpt-oss at M = 8192 (1481 against 1702 us) and slower on the short reductions of Qwen3
-# and DSv4 (``results/gluon_gemms.md`` section 4), so only a tuned plan takes it.
-GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)
-GLUON_TUNE_MIN_BM = 64
+# The GEMMs in Gluon (``gluon_kernels``) on sm_90: their MMAs run asynchronously under the next K
+# step's decode, which ``tl.dot`` cannot express, and they write the same bits as the tl.dot GEMMs of
+# the same tile. On by default (B12X_OPS_TRITON_GLUON=0 turns them off) for plans of at least
+# GLUON_MIN_BM-row expert blocks, in the forms ``gluon_forms`` picks by block size. H200, each stage
+# alone against tl.dot (``benchmarks/results/gluon_gemms.md``, sections 4 and 5):
+# - 128-row blocks: GEMM1 in 128 columns of up and of gate a program (16 warps) at M = 8192: gpt-oss
+#   3879 -> 2803 us, Qwen3 1559 -> 972, the DeepSeek rank 2025 -> 1764; GEMM2 in 256 W2 rows a
+#   program (16 warps) only where the reduction is long (gpt-oss, N = 2880: 1702 -> 1481 us; slower on
+#   the N = 576-768 reductions of Qwen3 and DSv4).
+# - 32- and 64-row blocks: GEMM1 in 64 columns a program (8 warps), GEMM2 in 128 rows (8 warps): at
+#   M = 2048 (64-row blocks) gpt-oss GEMM1 1137 -> 1002 us, GEMM2 -> 498 (whole op 1809 -> 1684 with
+#   GEMM2 alone), the DeepSeek rank GEMM1 684 -> 632 (the 128-column form 775: slower); at M = 512
+#   gpt-oss (32-row blocks) GEMM1 467 -> 444, Qwen3 (64) 154 -> 142, and GEMM2 whole op -26 / -10 us.
+# - 16-row blocks stay tl.dot: the Gluon forms were slower there on gpt-oss and Qwen3.
+GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=8)  # (128-row blocks)
+GLUON_GEMM1_SMALL = dict(bn1=64, bk1=64, stages1=4, warps1=8)  # (32- and 64-row blocks)
+GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)  # (128-row blocks, long reductions)
+GLUON_GEMM2_SMALL = dict(bn2=128, bk2=64, stages2=4, warps2=8)  # (32- and 64-row blocks)
+GLUON_MIN_BM = 32
+GLUON2_MIN_N = 2048  # (the reduction of GEMM2, the intermediate size, from which 128-row blocks take it)
+# What the tuner times on such a GPU (``candidate_configs(..., gluon=True)``) at blocks of at least
+# GLUON_TUNE_MIN_BM rows (the block sizes the GPU test covers): both Gluon forms of each GEMM at the
+# plan's own block size, beside the tl.dot tiles.
+GLUON_TUNE_MIN_BM = 16
+
+
+def gluon_forms(bm: int, intermediate_size: int) -> tuple[dict | None, dict | None]:
+    """The Gluon GEMM1 and GEMM2 forms an untuned plan of ``bm``-row blocks takes (None: tl.dot)."""
+    if bm < GLUON_MIN_BM:
+        return None, None
+    if bm < 128:
+        return GLUON_GEMM1_SMALL, GLUON_GEMM2_SMALL
+    return GLUON_GEMM1, GLUON_GEMM2 if intermediate_size >= GLUON2_MIN_N else None
 
 
 def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
-    """Whether plans on ``device`` take the Gluon GEMM1 (``GLUON_GEMM1``), and why (``b12x-ops info``)."""
+    """Whether plans on ``device`` take the Gluon GEMMs (``gluon_forms``), and why (``b12x-ops info``)."""
     if os.environ.get("B12X_OPS_TRITON_GLUON", "1") != "1":
         return False, "off (B12X_OPS_TRITON_GLUON=0)"
     if INTERPRET:
@@ -200,8 +218,9 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
         return False, f"off: its wgmma needs sm_90 (got sm_{cc[0]}{cc[1]})"
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
-    return True, (f"on: GEMM1 of blocked calls with {GLUON_MIN_BM}-row expert blocks runs in Gluon, its MMAs under "
-                  "the next step's decode (B12X_OPS_TRITON_GLUON=0 turns it off)")
+    return True, (f"on: the GEMMs of blocked calls with expert blocks of {GLUON_MIN_BM} rows or more run in Gluon, "
+                  "their MMAs under the next step's decode (GEMM2 at 128-row blocks where the reduction is long; "
+                  "B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
 def _stages(bk: int, stages: int) -> int:
@@ -377,8 +396,8 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
         for bm, g1, g2 in cands:
             if bm >= GLUON_TUNE_MIN_BM:
                 c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
-                out += [dataclasses.replace(c, gluon=True, **GLUON_GEMM1),
-                        dataclasses.replace(c, gluon2=True, **GLUON_GEMM2)]
+                out += [dataclasses.replace(c, gluon=True, **f) for f in (GLUON_GEMM1_SMALL, GLUON_GEMM1)]
+                out += [dataclasses.replace(c, gluon2=True, **f) for f in (GLUON_GEMM2_SMALL, GLUON_GEMM2)]
     return out
 
 
@@ -718,11 +737,16 @@ class GeometryPlans:
             a.need("slots", S * g.hidden_size, torch.float32)
 
     def with_gluon(self, cfg: Config) -> Config:
-        """``cfg`` with its GEMM1 in Gluon where this GPU takes it and the plan's blocks are large
-        enough (``GLUON_GEMM1``): what an untuned plan runs (a tuned one runs what the tuner timed
-        fastest, ``candidate_configs(..., gluon=True)``)."""
-        if self.gluon and not cfg.gemv and cfg.bm >= GLUON_MIN_BM and not cfg.gluon:
-            return dataclasses.replace(cfg, gluon=True, **GLUON_GEMM1)
+        """``cfg`` with its GEMMs in Gluon where this GPU takes them, in the forms of its block size
+        (``gluon_forms``): what an untuned plan runs (a tuned one runs what the tuner timed fastest,
+        ``candidate_configs(..., gluon=True)``)."""
+        if not self.gluon or cfg.gemv or cfg.gluon or cfg.gluon2:
+            return cfg
+        f1, f2 = gluon_forms(cfg.bm, self.geometry.intermediate_size)
+        if f1 is not None:
+            cfg = dataclasses.replace(cfg, gluon=True, **f1)
+        if f2 is not None:
+            cfg = dataclasses.replace(cfg, gluon2=True, **f2)
         return cfg
 
     def add(self, cap: int, cfg: Config) -> None:
