@@ -1,17 +1,16 @@
-"""Where the Gluon GEMMs pay, by block size: the whole op at mid-to-large M with the default plan
-against 128-row plans (tl.dot, and GEMM1 in Gluon) and 64-row plans with GEMM2 in Gluon, on a CUDA GPU
-(sm_90 for the Gluon forms).
+"""Which block size pays with the Gluon GEMMs: the whole op at mid-to-large M with the default plan
+against 64- and 128-row plans in the Gluon forms of their block size (``plan.gluon_forms``), and with
+``TL_DOT=1`` in tl.dot too, on a CUDA GPU (sm_90 for the Gluon forms).
 
-    python benchmarks/experiments/gluon_regimes.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 512,1024,2048,4096
+    python benchmarks/experiments/gluon_regimes.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 2048,8192
 
-Per geometry and M, each form's whole op (CUDA-graph replay over 3 layers, us per layer) and its output's
-relative L2 distance from the default plan's (the forms differ in block size and summation order, not in
-what they compute).
+Per geometry and M, each form's whole op (CUDA-graph replay over 3 layers, us per layer), its expert
+blocks, and its output's relative L2 distance from the default plan's (the forms differ in block size
+and summation order, not in what they compute).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -27,19 +26,22 @@ from bench_moe import GEOMETRIES, experiment_handles, layer_batches, whole_op_us
 
 
 def forms(M, gp):
-    """(label, Config) pairs to time at ``M``: the plan's default, then the alternatives."""
+    """(label, Config) pairs to time at ``M``: the plan's default, then 64- and 128-row plans (the
+    tiles the block-size regimes give them) in tl.dot and in their Gluon forms."""
     g = gp.geometry
     base = gp.with_gluon(P.default_config(M, g))
-    bm128 = P.Config(P._REGIMES[-1][1][0][0], *P._REGIMES[-1][1][0][1], *P._REGIMES[-1][1][0][2],
-                     base.atomic)
-    out = [("default plan", base),
-           ("128-row blocks, tl.dot", bm128),
-           ("128-row blocks, GEMM1 in Gluon", dataclasses.replace(bm128, gluon=True, **P.GLUON_GEMM1))]
-    for bn2 in (128, 256):
-        if base.bm <= 64:
-            out.append((f"default plan, GEMM2 in Gluon bn {bn2}",
-                        dataclasses.replace(base, gluon2=True, bn2=bn2, bk2=64, stages2=4)))
+    tiles = {bm: (g1, g2) for _, cands in reversed(P._REGIMES) for bm, g1, g2 in cands}
+    tiles.update({bm: (g1, g2) for bm, g1, g2 in P._regime(M, g)})  # (the regime's own tiles first)
+    out = [("default plan", base)]
+    for bm in (64, 128):
+        plain = P.Config(bm, *tiles[bm][0], *tiles[bm][1], base.atomic)
+        for label, c in (("tl.dot", plain), ("Gluon forms", gp.with_gluon(plain))):
+            if c != base and (TL_DOT or c.gluon):
+                out.append((f"{bm}-row blocks, {label}", c))
     return out
+
+
+TL_DOT = os.environ.get("TL_DOT", "0") == "1"  # (the tl.dot forms too; by default the Gluon ones only)
 
 
 def rel_l2(a, b):
@@ -66,7 +68,9 @@ def main():
                     got = outs[0].clone()
                     want = got if want is None else want
                     t = whole_op_us(hs, cfg, xs, idss, wss, outs)
-                    print(f"  {label} (bm {cfg.bm}): {t:.1f} us/layer; rel L2 from the default "
+                    nmax = gp.runner(cfg).blocks(M * top_k)  # (the entries this call's routing wrote)
+                    nb = int(gp.arena.buffers["blk_rows"][:nmax].gt(0).sum())
+                    print(f"  {label} (bm {cfg.bm}, {nb} blocks): {t:.1f} us/layer; rel L2 from the default "
                           f"{rel_l2(got, want):.1e}", flush=True)
                 except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
                     print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-300:]}", flush=True)
