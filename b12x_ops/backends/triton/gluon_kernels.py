@@ -34,7 +34,8 @@ kernels', so for the same tile and K step both write the same bits (``tests/test
 checks it on the GPU; Triton's CPU interpreter does not run Gluon).
 
 This module imports where the installed triton has Gluon with Hopper's wgmma (``HAS_GLUON``); the
-plans take GEMM1 from here on sm_90 only (``plan.gluon_status``); GEMM2 is opt-in (``Config.gluon2``).
+plans take the GEMMs from here on sm_90 only (``plan.gluon_status``), in the forms ``plan.gluon_forms``
+picks for a plan's block size (``Config.gluon``, ``Config.gluon2``).
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ class Config:
     fused: bool = False
     # the blocked path on sm_90 only: GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``: bn1 = 64
     # or 128 in bn1 / 8 warps, an even stages1 >= 4), its MMAs asynchronous under the next step's decode;
-    # ``gluon2`` the same for GEMM2 (``gemm2_gluon_kernel``: bn2 = 128 or 256 in bn2 / 16 warps, an even stages2 >= 4)
+    # ``gluon2`` the same for GEMM2 (``gemm2_gluon_kernel``: bn2 = 128 or 256 in bn2 / 16 warps, an even
+    # stages2 >= 4). Untuned plans set them by block size (``gluon_forms``)
     gluon: bool = False
     gluon2: bool = False
 
