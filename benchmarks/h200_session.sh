@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, then the benchmark. Results land under $OUT (or ./out).
 # usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all] [extra bench args...]
-# ptests: the whole GPU suite in four processes at once (its time is mostly compiling, on the CPU:
-# about 4 minutes on the H200 machine against 10 or more in one process), a log each.
+# ptests: the whole GPU suite in ten processes at once (its time is mostly compiling, on the CPU:
+# about 4-5 minutes on the H200 machine against 15 or more in one process), one log.
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -14,15 +14,23 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 240 python3 -m pytest tests/test_triton_gpu.py -q --maxfail=6 -rs -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if [ "$what" = ptests ]; then
-  groups=("test_gpu_matches_reference or gluon" "gemv or ptx or short_k"
-          "every_tile or routing or (deterministic and not gemv)"
-          "not test_gpu_matches_reference and not gluon and not gemv and not ptx and not short_k and not every_tile and not routing and not deterministic")
+  # ten processes, the Gluon test (the slowest, about 2 minutes a geometry) one or two geometries
+  # each; their logs go to one file ($OUT/gpu_tests.log: the device returns few files)
+  groups=("test_gpu_matches_reference" "gluon and gpt" "gluon and odd-ep" "gluon and (dsv4 or odd-3x96)"
+          "(gluon and qwen3) or tuner" "routing or (deterministic and not gemv)" "gemv" "ptx or short_k" "every_tile"
+          "not test_gpu_matches_reference and not gluon and not tuner and not routing and not deterministic and not gemv and not ptx and not short_k and not every_tile")
+  tmp=$(mktemp -d)
   for i in "${!groups[@]}"; do
-    setsid timeout -k 5 "${PTESTS_TIMEOUT:-330}" python3 -m pytest tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider \
-      -k "${groups[$i]}" > "$OUT/gpu_tests_$i.log" 2>&1 &
+    B12X_OPS_CACHE_DIR="$B12X_OPS_CACHE_DIR/p$i" setsid timeout -k 5 "${PTESTS_TIMEOUT:-300}" python3 -m pytest \
+      tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider -k "${groups[$i]}" > "$tmp/$i.log" 2>&1 &
   done
   wait
-  tail -n 4 "$OUT"/gpu_tests_*.log
+  for i in "${!groups[@]}"; do
+    echo "# process $i: python3 -m pytest tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider -k \"${groups[$i]}\""
+    grep -v "^$" "$tmp/$i.log" | grep -v "DeprecationWarning\|warnings.warn\|Docs: https\|warnings summary\|: [0-9]* warnings$"
+    echo
+  done > "$OUT/gpu_tests.log"
+  grep -v "^\.*$" "$OUT/gpu_tests.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)
