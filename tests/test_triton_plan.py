@@ -173,6 +173,7 @@ def test_tuner_times_the_gluon_gemms_where_they_run(name, tokens):
         if c.gluon:
             assert c.bn1 in (64, 128) and c.stages1 >= 4 and c.stages1 % 2 == 0
             assert (c.bn1, c.bk1, c.stages1, c.warps1) in forms1
+            assert c.warps1 == c.bn1 // 8  # (the launch's warps)
         else:
             assert c.bn2 in (128, 256) and c.stages2 >= 4 and c.stages2 % 2 == 0
             assert c.warps2 == c.bn2 // 16  # (the launch's warps)

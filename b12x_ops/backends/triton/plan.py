@@ -183,7 +183,7 @@ def pdl_status(device) -> tuple[bool, str]:
 #   GEMM2 alone), the DeepSeek rank GEMM1 684 -> 632 (the 128-column form 775: slower); at M = 512
 #   gpt-oss (32-row blocks) GEMM1 467 -> 444, Qwen3 (64) 154 -> 142, and GEMM2 whole op -26 / -10 us.
 # - 16-row blocks stay tl.dot: the Gluon forms were slower there on gpt-oss and Qwen3.
-GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=8)  # (128-row blocks)
+GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=16)  # (128-row blocks; warps: the launch's, bn1 / 8)
 GLUON_GEMM1_SMALL = dict(bn1=64, bk1=64, stages1=4, warps1=8)  # (32- and 64-row blocks)
 GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)  # (128-row blocks, long reductions)
 GLUON_GEMM2_SMALL = dict(bn2=128, bk2=64, stages2=4, warps2=8)  # (32- and 64-row blocks)
@@ -770,7 +770,7 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 9, gemv, ptx, gluon])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 10, gemv, ptx, gluon])
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
