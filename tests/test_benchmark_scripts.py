@@ -1,0 +1,53 @@
+"""The device-call scripts in ``benchmarks/`` against the test suite they run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_COLLECT = r"""
+import json, sys
+import pytest
+
+class Ids:
+    ids = None
+
+    def pytest_collection_finish(self, session):
+        self.ids = [item.nodeid for item in session.items]
+
+found = []
+for k in [None] + sys.argv[1:]:
+    ids = Ids()
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_triton_gpu.py"] + (["-k", k] if k else [])
+    assert pytest.main(args, plugins=[ids]) in (0, 5), k
+    found.append(ids.ids)
+print(json.dumps(found))
+"""
+
+
+def test_ptests_groups_run_every_gpu_test_exactly_once():
+    """``h200_session.sh ptests`` splits the GPU suite among parallel processes by ``-k``
+    expressions: together they must select every test of ``tests/test_triton_gpu.py``, none twice,
+    so that a new GPU test cannot go unrun on the device (or run twice at once)."""
+    with open(os.path.join(ROOT, "benchmarks", "h200_session.sh")) as f:
+        src = f.read()
+    block = re.search(r"groups=\((.*?)\)\n", src, re.S)
+    assert block is not None, "h200_session.sh has no groups=( ... ) array"
+    groups = re.findall(r'"([^"]*)"', block.group(1))
+    assert len(groups) >= 2
+    run = subprocess.run([sys.executable, "-c", _COLLECT, *groups], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    everything, *selected = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(everything) > 40  # (the GPU suite itself was collected)
+    picked = [nodeid for ids in selected for nodeid in ids]
+    twice = sorted({n for n in picked if picked.count(n) > 1})
+    assert not twice, f"tests selected by more than one group: {twice}"
+    missing = sorted(set(everything) - set(picked))
+    assert not missing, f"tests no group selects: {missing}"
+    assert all(selected), [g for g, ids in zip(groups, selected) if not ids]  # (no group selects nothing)
