@@ -302,9 +302,10 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
 
 
 def diagnose(handles, args, E, K, top_k, log):
-    """Per-stage times (one layer, each stage alone replayed from a CUDA graph) and each stage
-    kernel's registers, spills, shared memory and grid, for the diagnosis of misses. The GEMV path
-    has two stages (gemv1, gemv2: reported as gemm1, gemm2)."""
+    """Per-stage times (each stage alone, replayed from a CUDA graph over every layer's handle, per
+    layer: the weights come from HBM and the graph's own cost is shared, so the stages add up to
+    about the whole op) and each stage kernel's registers, spills, shared memory and grid, for the
+    diagnosis of misses. The GEMV path has two stages (gemv1, gemv2: reported as gemm1, gemm2)."""
     from b12x_ops.backends.triton import _launch
     from b12x_ops.backends.triton.kernels import num_blocks
     from b12x_ops.backends.triton.plan import FINALIZE
@@ -328,7 +329,7 @@ def diagnose(handles, args, E, K, top_k, log):
         stages = {}
         for s_ in gp.kinds(cfg):
             ln = rn[1 + ("prologue", "gemm1", "gemm2", "finalize").index(s_)]
-            t = graph_time([lambda s_=s_: _launch(st, rn, x, ids, w, o, (s_,))], 10) * 1e6
+            t = graph_time([lambda s_=s_, h=h: _launch(h._state, rn, x, ids, w, o, (s_,)) for h in handles], 10) * 1e6
             ck = ln.compiled
             stages[s_] = dict(us=t, programs=grids[s_], regs=getattr(ck, "n_regs", None),
                               spills=getattr(ck, "n_spills", None), shared=getattr(ck.metadata, "shared", None),
@@ -369,8 +370,8 @@ def write_markdown(res, path):
                   if fused else "Eager calls launch the stages apart at every M (prepare timed the one-launch GEMV "
                   "no faster).", ""]
         if g.get("diagnosis"):
-            lines += ["Per-stage times of one layer (us; each stage alone, CUDA-graph replay), with grid (programs), "
-                      "registers/thread and spills. bm: the blocked path's block rows; GEMV: "
+            lines += ["Per-stage times a layer (us; each stage alone, CUDA-graph replay over the layers), with grid "
+                      "(programs), registers/thread and spills. bm: the blocked path's block rows; GEMV: "
                       "the small-M path (gemv1, gemv2 in the gemm columns; from a few tokens on, x's quantization in the "
                       "prologue column; no finalize):", "",
                       "| M | bm | active experts | blocks | prologue | gemm1 | gemm2 | finalize |", "|---|---|---|---|---|---|---|---|"]
