@@ -667,7 +667,7 @@ class GeometryPlans:
                       HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
                       BK=cfg.bk1, FOLD=self.fold)
             if cfg.gluon:
-                self._check_gluon(cfg, "GEMM1", "bn1", cfg.bn1, (64, 128), "stages1", cfg.stages1)
+                self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
                 ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1)
             else:
@@ -677,7 +677,7 @@ class GeometryPlans:
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold)
             if cfg.gluon2:
-                self._check_gluon(cfg, "GEMM2", "bn2", cfg.bn2, (128, 256), "stages2", cfg.stages2)
+                self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
                 ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
                         cfg.bn2 // 16, 1)
             else:
@@ -689,9 +689,10 @@ class GeometryPlans:
         self.launches[key] = ln
         return ln
 
-    def _check_gluon(self, cfg: Config, stage: str, bn_name: str, bn: int, widths: tuple, st_name: str,
-                     stages: int) -> None:
-        """A Gluon GEMM's requirements (``gluon_kernels``), before anything compiles."""
+    def _check_gluon(self, cfg: Config, stage: str, bn_name: str, widths: tuple, st_name: str) -> None:
+        """A Gluon GEMM's requirements (``gluon_kernels``; its tile width and stages are ``cfg``'s fields
+        ``bn_name`` and ``st_name``), before anything compiles."""
+        bn, stages = getattr(cfg, bn_name), getattr(cfg, st_name)
         if not self.ptx or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2:
             raise ValueError(f"b12x_ops triton backend: no Gluon {stage} for {cfg} (it needs the inline-PTX "
                              f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]} and an even "
