@@ -152,6 +152,23 @@ def whole_op_us(handles, cfg, xs, idss, wss, outs, reps=10):
     return graph_time(calls, reps=reps) * 1e6
 
 
+def rel_l2(a, b) -> float:
+    """Relative L2 distance of ``a`` from ``b``, in fp32."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def form_output_and_us(handles, cfg, xs, idss, wss, outs):
+    """What the experiments compare a config by: its output on the first layer's batch (a clone,
+    after reserving the config's scratch) and its whole op's us per layer (``whole_op_us``)."""
+    from b12x_ops.backends.triton import _launch_all
+
+    handles[0]._state.plans.reserve(xs[0].shape[0], cfg)
+    _launch_all(handles[0]._state, cfg, xs[0], idss[0], wss[0], outs[0])
+    out = outs[0].clone()
+    return out, whole_op_us(handles, cfg, xs, idss, wss, outs)
+
+
 def log_host_profile(call, log, n=200):
     """Where an eager call's host time goes: cProfile over ``n`` calls, the top functions by own time."""
     import cProfile

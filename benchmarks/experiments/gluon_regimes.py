@@ -20,9 +20,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, experiment_handles, layer_batches, whole_op_us  # noqa: E402
+from bench_moe import GEOMETRIES, experiment_handles, form_output_and_us, layer_batches, rel_l2  # noqa: E402
 
 
 def forms(M, gp):
@@ -44,11 +43,6 @@ def forms(M, gp):
 TL_DOT = os.environ.get("TL_DOT", "0") == "1"  # (the tl.dot forms too; by default the Gluon ones only)
 
 
-def rel_l2(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def main():
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
@@ -63,11 +57,8 @@ def main():
             want = None
             for label, cfg in forms(M, gp):
                 try:
-                    gp.reserve(M, cfg)
-                    _launch_all(hs[0]._state, cfg, xs[0], idss[0], wss[0], outs[0])
-                    got = outs[0].clone()
+                    got, t = form_output_and_us(hs, cfg, xs, idss, wss, outs)
                     want = got if want is None else want
-                    t = whole_op_us(hs, cfg, xs, idss, wss, outs)
                     nmax = gp.runner(cfg).blocks(M * top_k)  # (the entries this call's routing wrote)
                     nb = int(gp.arena.buffers["blk_rows"][:nmax].gt(0).sum())
                     print(f"  {label} (bm {cfg.bm}, {nb} blocks): {t:.1f} us/layer; rel L2 from the default "

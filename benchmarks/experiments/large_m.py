@@ -26,13 +26,8 @@ sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(_HERE)), "tests"))
 
 import b12x_ops  # noqa: E402
-from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
 from experiments.joined_gemm1 import gemm1_joined_kernel  # noqa: E402
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def use_joined(gp, cfg):
@@ -66,7 +61,7 @@ def check():
 
 
 def bench(args):
-    from bench_moe import GEOMETRIES, experiment_handles, layer_batches, whole_op_us
+    from bench_moe import GEOMETRIES, experiment_handles, form_output_and_us, layer_batches, rel_l2
 
     for name in args.geometries:
         geo = GEOMETRIES[name]
@@ -86,12 +81,9 @@ def bench(args):
             for label, cfg, joined in variants:
                 key = use_joined(gp, cfg) if joined else None
                 try:
-                    gp.reserve(M, cfg)
-                    _launch_all(hs[0]._state, cfg, xs[0], idss[0], wss[0], outs[0])
-                    o = outs[0].clone()
+                    o, t = form_output_and_us(hs, cfg, xs, idss, wss, outs)
                     first = o if first is None else first
-                    t = whole_op_us(hs, cfg, xs, idss, wss, outs)
-                    print(f"{name} M={M} bm={cfg.bm} {label}: {t:.1f} us, diff from default {rel(o, first):.1e}",
+                    print(f"{name} M={M} bm={cfg.bm} {label}: {t:.1f} us, diff from default {rel_l2(o, first):.1e}",
                           flush=True)
                 except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
                     print(f"{name} M={M} bm={cfg.bm} {label}: failed: {type(exc).__name__}: {str(exc)[:100]}")
