@@ -224,6 +224,18 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
                   "B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
+# The tl.dot GEMMs of blocks of at least HALF_MIN_BM rows run a block of at most half that many
+# rows (an expert's part-empty last block, often) in the tile of half the rows: half the MMA work
+# and activation loads, the same weights decoded (``kernels.gemm1_kernel``'s ``HALF``).
+# B12X_OPS_TRITON_HALF=0 turns it off.
+HALF_MIN_BM = 32
+
+
+def half_tiles(bm: int) -> bool:
+    """Whether the tl.dot GEMMs of ``bm``-row blocks take the half tile for half-empty blocks."""
+    return bm >= HALF_MIN_BM and os.environ.get("B12X_OPS_TRITON_HALF", "1") == "1"
+
+
 def _stages(bk: int, stages: int) -> int:
     """Pipeline stages a launch gets: at most 2 for 64-element K steps (see ``_REGIMES``)."""
     return min(stages, 2) if bk <= 64 else stages
@@ -624,11 +636,12 @@ class GeometryPlans:
         elif kind == "gemm1" and cfg.gluon:
             key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
         elif kind == "gemm1":
-            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
+            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1), half_tiles(cfg.bm))
         elif kind == "gemm2" and cfg.gluon2:
             key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic,
+                   half_tiles(cfg.bm))
         else:
             key = (kind, cfg.atomic)
         hit = self.launches.get(key)
@@ -671,8 +684,8 @@ class GeometryPlans:
                 ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1)
             else:
-                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx), cfg.warps1,
-                        _stages(cfg.bk1, cfg.stages1))
+                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, HALF=half_tiles(cfg.bm)),
+                        cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold)
@@ -681,8 +694,8 @@ class GeometryPlans:
                 ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
                         cfg.bn2 // 16, 1)
             else:
-                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx), cfg.warps2,
-                        _stages(cfg.bk2, cfg.stages2))
+                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, HALF=half_tiles(cfg.bm)),
+                        cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         else:
             f = FINALIZE
             ln = mk(K_.finalize_kernel, dict(common, ATOMIC=cfg.atomic, BR=f["BR"], BK=f["BK"]), f["warps"], 1)
