@@ -634,11 +634,11 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
-            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
+            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1, half_tiles(cfg.bm))
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1), half_tiles(cfg.bm))
         elif kind == "gemm2" and cfg.gluon2:
-            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic, half_tiles(cfg.bm))
         elif kind == "gemm2":
             key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic,
                    half_tiles(cfg.bm))
@@ -681,7 +681,8 @@ class GeometryPlans:
                       BK=cfg.bk1, FOLD=self.fold)
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
-                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
+                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, HALF=half_tiles(cfg.bm),
+                                                    **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1)
             else:
                 ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, HALF=half_tiles(cfg.bm)),
@@ -691,7 +692,8 @@ class GeometryPlans:
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold)
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
-                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, HALF=half_tiles(cfg.bm),
+                                                    **GK.layouts(cfg.bn2, cfg.bm)),
                         cfg.bn2 // 16, 1)
             else:
                 ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, HALF=half_tiles(cfg.bm)),
