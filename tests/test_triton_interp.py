@@ -458,6 +458,7 @@ def test_interp_half_tiles_write_what_full_tiles_write(bm, monkeypatch):
     st, gp = h._state, h._state.plans
     cfg = dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=bm, atomic=False)
     written = {}
+    monkeypatch.setattr(P, "HALF_MIN_BM", 32)  # (the kernels' half path from 32-row blocks, the default's 64)
     for half in (True, False):
         monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1" if half else "0")
         assert P.half_tiles(bm) == half

@@ -224,15 +224,17 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
                   "B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
-# The tl.dot GEMMs of blocks of at least HALF_MIN_BM rows run a block of at most half that many
-# rows (an expert's part-empty last block, often) in the tile of half the rows: half the MMA work
-# and activation loads, the same weights decoded (``kernels.gemm1_kernel``'s ``HALF``).
-# B12X_OPS_TRITON_HALF=0 turns it off.
-HALF_MIN_BM = 32
+# The GEMMs (tl.dot and Gluon) of blocks of at least HALF_MIN_BM rows run a block of at most half
+# that many rows (an expert's part-empty last block, often) in the tile of half the rows: half the
+# MMA work and activation loads, the same weights decoded, the same bits (``kernels.gemm1_kernel``'s
+# ``HALF``). H200, whole op (``results/half_tiles.md``): 3-9 % faster with 64- and 128-row blocks on the
+# three benchmark geometries, but 5 % slower with gpt-oss's 32-row blocks at 512 tokens (a 16-row
+# Gluon tile), hence 64. B12X_OPS_TRITON_HALF=0 turns it off.
+HALF_MIN_BM = 64
 
 
 def half_tiles(bm: int) -> bool:
-    """Whether the tl.dot GEMMs of ``bm``-row blocks take the half tile for half-empty blocks."""
+    """Whether the GEMMs of ``bm``-row blocks take the half tile for half-empty blocks."""
     return bm >= HALF_MIN_BM and os.environ.get("B12X_OPS_TRITON_HALF", "1") == "1"
 
 
