@@ -440,6 +440,50 @@ def test_gpu_gluon_gemms_match_tl_gemms(name):
                 assert rel_l2(out, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, (name, M, bm, atomic)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])
+def test_gpu_half_tiles_write_what_full_tiles_write(name, monkeypatch):
+    """A block of at most half its rows runs the half tile (``plan.half_tiles``), in the tl.dot and
+    the Gluon GEMMs (sm_90): the activations and per-slot rows are the full tile's, byte for byte, at
+    32-, 64- and 128-row blocks, with blocks on both sides of half."""
+    import dataclasses
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import kernels as K_
+    from b12x_ops.backends.triton import plan as P
+
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    h = layer.prepare(backend="triton", tune=False, gemv=False, max_tokens=700, frozen=False, deterministic=True)
+    st, gp = h._state, h._state.plans
+    x, ids0, w = make_batch(layer, 700, seed=91, device="cuda", padding_rows=3)
+    monkeypatch.setattr(P, "HALF_MIN_BM", 32)  # (the kernels' half path from 32-row blocks, the default's 64)
+    lo, hi = layer.offset, layer.offset + layer.E
+    for bm in (32, 64, 128):
+        # the slots on as few of the experts as give about 1.25 blocks an expert: one full block and a
+        # part-empty one each, so blocks on both sides of half
+        hot = max(1, min(layer.E, int((ids0 >= lo).logical_and(ids0 < hi).sum()) * 4 // (5 * bm)))
+        ids = torch.where((ids0 >= lo) & (ids0 < hi), lo + (ids0 - lo) % hot, ids0)
+        base = dataclasses.replace(P.default_config(700, gp.geometry, gemv=False), bm=bm, atomic=False)
+        for cfg in dict.fromkeys((base, gp.with_gluon(base))):  # (tl.dot, then the Gluon forms on sm_90)
+            written = {}
+            # one routing pass for both (with several routing programs the order of a block's rows
+            # depends on their atomics), then each setting's GEMMs over buffers of sevens
+            gp.reserve(700, cfg)
+            _launch_all(st, cfg, x, ids, w, torch.empty_like(x), stages=("prologue",))
+            for half in (True, False):
+                monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1" if half else "0")
+                gp.reserve(700, cfg)
+                out = torch.empty_like(x)
+                a = gp.arena.buffers
+                a["act"].fill_(7)
+                a["slots"].fill_(7)
+                _launch_all(st, cfg, x, ids, w, out, stages=("gemm1", "gemm2", "finalize"))
+                written[half] = [t.clone().view(torch.uint8) for t in (out, a["act"], a["slots"])]
+            rows = gp.arena.buffers["blk_rows"][:K_.num_blocks(ids.numel(), layer.E, bm)]
+            assert ((rows > 0) & (rows <= bm // 2)).any() and (rows > bm // 2).any(), (name, bm)
+            for what, got, want in zip(("out", "act", "slots"), written[True], written[False]):
+                assert torch.equal(got, want), (name, bm, cfg.gluon, cfg.gluon2, what)
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "odd-ep"])
 def test_gpu_every_tile_candidate_matches_reference(name):
     """Every configuration the tuner may pick (GEMV and blocked tiles, 4- and 8-warp programs)

@@ -443,6 +443,42 @@ def test_interp_atomic_and_chunked_paths(deterministic, gemv):
 
 
 @inner
+@pytest.mark.parametrize("bm", [32, 64])
+def test_interp_half_tiles_write_what_full_tiles_write(bm, monkeypatch):
+    """A block of at most half its rows runs the tl.dot GEMMs' half tile (``plan.half_tiles``): the
+    activations and per-slot rows are the full tile's, bit for bit, and the layer matches the
+    reference. The routing gives blocks on both sides of half (experts of 10, 40, 50 and 20 rows)."""
+    from b12x_ops.backends.triton import _launch_all
+    layer = make_layer(E=4, K=64, N=32, top_k=2, seed=5, limit=7.0)
+    M = 60
+    x, _, w = make_batch(layer, M, seed=6)
+    pairs = [(0, 1)] * 10 + [(1, 2)] * 30 + [(2, 3)] * 20
+    ids = torch.tensor(pairs, dtype=torch.int32) + layer.offset
+    h = layer.prepare(backend="triton", max_tokens=64, gemv=False, deterministic=True)
+    st, gp = h._state, h._state.plans
+    cfg = dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=bm, atomic=False)
+    written = {}
+    monkeypatch.setattr(P, "HALF_MIN_BM", 32)  # (the kernels' half path from 32-row blocks, the default's 64)
+    for half in (True, False):
+        monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1" if half else "0")
+        assert P.half_tiles(bm) == half
+        gp.reserve(M, cfg)
+        rn = gp.runner(cfg)
+        assert rn.gemm1.constexprs["HALF"] == half and rn.gemm2.constexprs["HALF"] == half
+        out = torch.empty_like(x)
+        _launch_all(st, cfg, x, ids, w, out)
+        a = gp.arena.buffers
+        written[half] = (out.clone(), a["act"].clone(), a["slots"].clone())
+    rows = gp.arena.buffers["blk_rows"][:K_.num_blocks(ids.numel(), layer.E, bm)]
+    assert ((rows > 0) & (rows <= bm // 2)).any() and (rows > bm // 2).any()
+    for name, got, want in zip(("out", "act", "slots"), written[True], written[False]):
+        # (as bytes: the buffers' rows no call writes hold whatever was there, NaN patterns included)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    ref = b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))
+    assert rel_l2(written[True][0], ref) <= 1e-2
+
+
+@inner
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_interp_gemv_and_blocked_paths_agree(deterministic):
     # the GEMV path (which rounds its own fp32 sums) and the blocked path's fp32 sums agree to a

@@ -65,15 +65,18 @@ if HAS_GLUON:
         loaded ``[G, Q, 32, 16]`` code tile (a lane 16 contiguous bytes a chunk, as
         ``mxtl.load_repacked``), ``p7`` that tile split ``[g, q, lane, s, kh, rh, kk]`` and ``s5_l``
         its scale bytes ``[g, q, lane, s, rh]`` (rows r0 and r0 + 8 of a lane, a chunk's two
-        32-element blocks), ``x_l`` the activation copies' ``[bm, bk / 2]`` (16 bytes a thread)."""
+        32-element blocks), ``x_l`` the activation copies' ``[bm, bk / 2]`` (16 bytes a thread);
+        ``mma_h``, ``a_l_h`` the accumulator and operand of the half tile (``HALF``: bm / 2 rows)."""
         nw = rows // 16
         mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, bm, 16])
         p7 = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [nw, 1, 1, 1, 1, 1, 1],
                               [6, 5, 4, 3, 2, 1, 0])
+        mma_h = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, max(bm // 2, 8), 16])
         return dict(mma=mma, a_l=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                     code_l=gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [nw, 1, 1, 1], [3, 2, 1, 0]), p7=p7,
                     s5_l=gl.SliceLayout(4, gl.SliceLayout(6, p7)),
-                    x_l=gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0]))
+                    x_l=gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0]),
+                    mma_h=mma_h, a_l_h=gl.DotOperandLayout(operand_index=0, parent=mma_h, k_width=2))
 
     @gluon.jit
     def _to_operand(t, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr):
@@ -262,25 +265,47 @@ if HAS_GLUON:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
         BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
-        code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr,
+        code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr, mma_h: gl.constexpr,
+        a_l_h: gl.constexpr, HALF: gl.constexpr,
     ):
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
-        an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``."""
+        an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``.
+        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s)."""
+        pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
+        if e < 0:
+            return
+        nrow = gl.load(blk_rows_ptr + pid_m)
+        if HALF:
+            if nrow <= BM // 2:
+                _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
+                             UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 2, BN, BK, STAGES, FOLD, mma_h, a_l_h, code_l, p7,
+                             s5_l, x_l)
+            else:
+                _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
+                             UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l,
+                             x_l)
+        else:
+            _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
+                         UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
+
+    @gluon.jit
+    def _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K: gl.constexpr,
+                     N: gl.constexpr, TOPK: gl.constexpr, UP_FIRST: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                     HAS_GS: gl.constexpr, BLK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+                     code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
+        """``gemm1_gluon_kernel``'s program on the first ``BM`` rows of its ``BLK``-row block."""
         R: gl.constexpr = 2 * BN  # the operand's rows: BN of up (the first half of the warps), then BN of gate
         G: gl.constexpr = R // 16
         KS: gl.constexpr = K // 32
         NQ: gl.constexpr = (K // 2 + 31) // 32
         UP0: gl.constexpr = 0 if UP_FIRST else N
         GATE0: gl.constexpr = N if UP_FIRST else 0
-        pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
-        if e < 0:
-            return
-        nrow = gl.load(blk_rows_ptr + pid_m)
         NW: gl.constexpr = R // 16
         offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
         rvalid_x = offs_r < nrow
-        slot_x = gl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid_x, other=0)
+        slot_x = gl.load(sorted_ptr + pid_m * BLK + offs_r, mask=rvalid_x, other=0)
         x_rows = _x_rows(xq_ptr, (slot_x // TOPK).to(gl.int64), K, BK, x_l)
         # the tile's row groups: the first G / 2 of up, the rest of gate
         g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(R, BK, code_l, s5_l)
@@ -305,7 +330,7 @@ if HAS_GLUON:
         _barrier()
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, ep_l))
         rvalid = offs_m < nrow
-        rows = (pid_m * BM + offs_m).to(gl.int64)
+        rows = (pid_m * BLK + offs_m).to(gl.int64)
         for jn in gl.static_range(BN // 32):
             # (the tl.dot kernel's own helpers, compiled here in Gluon: the same arithmetic)
             act = _swiglu(acc_s.slice(32 * jn, 32).load(ep_l), acc_s.slice(BN + 32 * jn, 32).load(ep_l), gs_ptr, e,
@@ -323,19 +348,39 @@ if HAS_GLUON:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
         mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
-        x_l: gl.constexpr,
+        x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
     ):
         """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 warps (BN = 128
-        or 256: a warpgroup 64 of the W2 rows), an even STAGES >= 4; its layouts from ``layouts(BN, BM)``."""
-        NS: gl.constexpr = N // 32
-        NQ: gl.constexpr = (N // 2 + 31) // 32
+        or 256: a warpgroup 64 of the W2 rows), an even STAGES >= 4; its layouts from ``layouts(BN, BM)``.
+        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
         if e < 0:
             return
         nrow = gl.load(blk_rows_ptr + pid_m)
-        # the block's rows of a (block-ordered: rows pid_m * BM ..)
+        if HALF:
+            if nrow <= BM // 2:
+                _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
+                             TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, STAGES, FOLD, mma_h, a_l_h, code_l, p7, s5_l,
+                             x_l)
+            else:
+                _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
+                             TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
+        else:
+            _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N, TOPK,
+                         HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
+
+    @gluon.jit
+    def _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr,
+                     N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
+                     BLK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                     FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr,
+                     p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
+        """``gemm2_gluon_kernel``'s program on the first ``BM`` rows of its ``BLK``-row block."""
+        NS: gl.constexpr = N // 32
+        NQ: gl.constexpr = (N // 2 + 31) // 32
+        # the block's rows of a (block-ordered: rows pid_m * BLK ..)
         offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
-        x_rows = _x_rows(a_ptr, (pid_m * BM + offs_r).to(gl.int64), N, BK, x_l)
+        x_rows = _x_rows(a_ptr, (pid_m * BLK + offs_r).to(gl.int64), N, BK, x_l)
         g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(BN, BK, code_l, s5_l)
         w_g = w_ptr + e.to(gl.int64) * (K * NQ * 32) + (pid_n * BN // 16 + g_c) * (NQ * 512)
         r_s = (pid_n * BN + 16 * g_s)[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
@@ -346,7 +391,7 @@ if HAS_GLUON:
         # epilogue (kernels._reduce_rows), in the accumulator's layout
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         rvalid = offs_m < nrow
-        slot = gl.load(sorted_ptr + pid_m * BM + offs_m, mask=rvalid, other=0)
+        slot = gl.load(sorted_ptr + pid_m * BLK + offs_m, mask=rvalid, other=0)
         offs_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         if HAS_GS:
             acc = acc * gl.load(gs_ptr + e)

@@ -85,10 +85,10 @@ def _block_tile(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM: tl.constexpr):
-    """``(rows, valid, slot)`` of the ``BM`` rows of expert block ``pid_m``: their int64 row index in
-    the block-ordered buffers, whether each holds a slot, and that slot."""
-    offs_r = tl.arange(0, BM)
+def _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM: tl.constexpr, BMX: tl.constexpr):
+    """``(rows, valid, slot)`` of the first ``BMX`` rows of expert block ``pid_m`` (of ``BM``): their
+    int64 row index in the block-ordered buffers, whether each holds a slot, and that slot."""
+    offs_r = tl.arange(0, BMX)
     rvalid = offs_r < tl.load(blk_rows_ptr + pid_m)
     slot = tl.load(sorted_ptr + pid_m * BM + offs_r, mask=rvalid, other=0)
     return (pid_m * BM + offs_r).to(tl.int64), rvalid, slot
@@ -96,11 +96,11 @@ def _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM: tl.constexpr):
 
 @triton.jit
 def _gemm1_tile(pid_m, pid_n, blk_rows_ptr, sorted_ptr, N: tl.constexpr, TOPK: tl.constexpr,
-                UP_FIRST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                UP_FIRST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BMX: tl.constexpr):
     """A GEMM1 program's rows and columns: ``_block_slots``' rows and valid flags, the rows' token
     indices (int64), the tile's intermediate columns and valid flags, and its W13 rows of up and
     of gate."""
-    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
+    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM, BMX)
     tok = (slot // TOPK).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nvalid = offs_n < N
@@ -478,17 +478,38 @@ def gemm1_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN columns of up and of gate): ``dq8(silu(gate) * up)`` of the
     block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX (``FOLD``:
-    in its one-fma form, for scale bytes up to 128)."""
+    in its one-fma form, for scale bytes up to 128). ``HALF``: a block of at most BM / 2 rows runs
+    the tile of BM / 2: half the MMA work and activation loads for an expert's part-empty last block
+    (the decode of the weights is the same either way)."""
     pdl_start(PDL)
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
     if e < 0:
         return
+    if HALF:
+        if tl.load(blk_rows_ptr + pid_m) <= BM // 2:
+            _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K,
+                         N, TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 2, BN, BK, DOT_DTYPE, PTX, FOLD)
+        else:
+            _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K,
+                         N, TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD)
+    else:
+        _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N,
+                     TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD)
+
+
+@triton.jit
+def _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit,
+                 K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
+                 HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BMX: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr,
+                 FOLD: tl.constexpr):
+    """``gemm1_kernel``'s program on the first ``BMX`` rows of its ``BM``-row block."""
     rows, rvalid, tok, offs_n, nvalid, up_rows, gate_rows = _gemm1_tile(pid_m, pid_n, blk_rows_ptr, sorted_ptr, N,
-                                                                        TOPK, UP_FIRST, BM, BN)
+                                                                        TOPK, UP_FIRST, BM, BN, BMX)
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 32
     BKH: tl.constexpr = BK // 2
@@ -498,9 +519,9 @@ def gemm1_kernel(
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
     # byte h of the chunk meets elements k0 + 2h (split column k0 + 32 (h // 16) + h % 16) and k0 + 2h + 1 (+16)
-    xT = xq_ptr + tok[None, :] * K + (32 * (offs_h // 16) + offs_h % 16)[:, None]  # [BKH, BM]
-    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+    xT = xq_ptr + tok[None, :] * K + (32 * (offs_h // 16) + offs_h % 16)[:, None]  # [BKH, BMX]
+    acc_u = tl.zeros((BN, BMX), dtype=tl.float32)
+    acc_g = tl.zeros((BN, BMX), dtype=tl.float32)
     # The scale bytes (one a thread: too few for an asynchronous copy, so Triton's pipeline leaves
     # them out) are loaded one step ahead into registers, or each step would wait on HBM for them.
     up_s = s_e + up_rows[:, None] * KS + offs_s[None, :]
@@ -530,16 +551,35 @@ def gemm2_kernel(
     nblocks,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PTX: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False,
+    PTX: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
-    accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic)."""
+    accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic).
+    ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
     pdl_start(PDL)
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
-    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM)
+    if HALF:
+        if tl.load(blk_rows_ptr + pid_m) <= BM // 2:
+            _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
+                         N, TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, DOT_DTYPE, PTX, FOLD)
+        else:
+            _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
+                         N, TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD)
+    else:
+        _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
+                     TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD)
+
+
+@triton.jit
+def _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+                 K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
+                 BM: tl.constexpr, BMX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 PTX: tl.constexpr, FOLD: tl.constexpr):
+    """``gemm2_kernel``'s program on the first ``BMX`` rows of its ``BM``-row block."""
+    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM, BMX)
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     NH: tl.constexpr = N // 2
@@ -552,7 +592,7 @@ def gemm2_kernel(
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
     aT = a_ptr + rows[None, :] * N + (32 * (offs_h // 16) + offs_h % 16)[:, None]
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc = tl.zeros((BN, BMX), dtype=tl.float32)
     row_s = s_e + offs_o[:, None] * NS + offs_s[None, :]
     s = tl.load(row_s, mask=ovalid[:, None] & (offs_s < NS)[None, :], other=0)  # one step ahead, as in gemm1
     for n0 in range(0, N, BK):

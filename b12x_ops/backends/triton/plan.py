@@ -224,6 +224,20 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
                   "B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
+# The GEMMs (tl.dot and Gluon) of blocks of at least HALF_MIN_BM rows run a block of at most half
+# that many rows (an expert's part-empty last block, often) in the tile of half the rows: half the
+# MMA work and activation loads, the same weights decoded, the same bits (``kernels.gemm1_kernel``'s
+# ``HALF``). H200, whole op (``results/half_tiles.md``): 3-9 % faster with 64- and 128-row blocks on the
+# three benchmark geometries, but 5 % slower with gpt-oss's 32-row blocks at 512 tokens (a 16-row
+# Gluon tile), hence 64. B12X_OPS_TRITON_HALF=0 turns it off.
+HALF_MIN_BM = 64
+
+
+def half_tiles(bm: int) -> bool:
+    """Whether the GEMMs of ``bm``-row blocks take the half tile for half-empty blocks."""
+    return bm >= HALF_MIN_BM and os.environ.get("B12X_OPS_TRITON_HALF", "1") == "1"
+
+
 def _stages(bk: int, stages: int) -> int:
     """Pipeline stages a launch gets: at most 2 for 64-element K steps (see ``_REGIMES``)."""
     return min(stages, 2) if bk <= 64 else stages
@@ -622,13 +636,14 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
-            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
+            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1, half_tiles(cfg.bm))
         elif kind == "gemm1":
-            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
+            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1), half_tiles(cfg.bm))
         elif kind == "gemm2" and cfg.gluon2:
-            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic, half_tiles(cfg.bm))
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic,
+                   half_tiles(cfg.bm))
         else:
             key = (kind, cfg.atomic)
         hit = self.launches.get(key)
@@ -668,21 +683,23 @@ class GeometryPlans:
                       BK=cfg.bk1, FOLD=self.fold)
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
-                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
+                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, HALF=half_tiles(cfg.bm),
+                                                    **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1)
             else:
-                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx), cfg.warps1,
-                        _stages(cfg.bk1, cfg.stages1))
+                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, HALF=half_tiles(cfg.bm)),
+                        cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold)
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
-                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, HALF=half_tiles(cfg.bm),
+                                                    **GK.layouts(cfg.bn2, cfg.bm)),
                         cfg.bn2 // 16, 1)
             else:
-                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx), cfg.warps2,
-                        _stages(cfg.bk2, cfg.stages2))
+                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, HALF=half_tiles(cfg.bm)),
+                        cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         else:
             f = FINALIZE
             ln = mk(K_.finalize_kernel, dict(common, ATOMIC=cfg.atomic, BR=f["BR"], BK=f["BK"]), f["warps"], 1)
