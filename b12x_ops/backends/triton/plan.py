@@ -788,7 +788,8 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 10, gemv, ptx, gluon])
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 11, gemv, ptx, gluon,
+                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])  # (11: the half tiles)
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
