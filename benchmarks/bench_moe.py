@@ -143,6 +143,20 @@ def experiment_handles(name, max_tokens, layers=3, **options):
                                      frozen=False, **options) for i in range(layers)]
 
 
+def experiment_points(names, sizes):
+    """The experiments' loop: per geometry in ``names``, its ``experiment_handles`` (for the largest
+    of ``sizes``), then per token count ``M`` in ``sizes`` a batch a layer (``layer_batches``):
+    yields ``(name, handles, M, (xs, idss, wss, outs))``. A geometry's handles are let go (and the
+    allocator's cache emptied) before the next geometry's are made."""
+    for name in names:
+        geo = GEOMETRIES[name]
+        hs = experiment_handles(name, max(sizes))
+        for M in sizes:
+            yield name, hs, M, layer_batches(M, geo["E"], geo["K"], geo["top_k"], len(hs))
+        del hs
+        torch.cuda.empty_cache()
+
+
 def whole_op_us(handles, cfg, xs, idss, wss, outs, reps=10):
     """us per layer of the whole op in ``cfg`` on each handle's batch, replayed from one CUDA graph."""
     from b12x_ops.backends.triton import _launch_all

@@ -672,3 +672,54 @@ def test_interp_options_are_checked():
             layer.prepare(backend="triton", **{opt: "yes"})
     h = layer.prepare(backend="triton", max_tokens=4, tune=False)
     assert h.backend == "triton" and h.memory["device_bytes"] == h.memory["checkpoint_bytes"]
+
+
+@inner
+@pytest.mark.parametrize("script, argv", [
+    ("half_tiles", ["tiny", "40"]), ("reduction", ["tiny", "40"]), ("gluon_regimes", ["tiny", "200"]),
+    ("gluon_gemms", ["tiny", "40"]), ("large_m", None)])
+def test_interp_experiments_run(script, argv, monkeypatch, capsys):
+    """Each experiment in ``benchmarks/experiments`` runs its loop to the end on a tiny geometry (CPU,
+    interpreter): its layers prepared here, CUDA-graph timing replaced by one run of the calls. The
+    experiments run on the GPU only between their device calls; this keeps them from rotting when
+    the kernels' parameters change."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    import bench_moe as B
+
+    monkeypatch.setitem(B.GEOMETRIES, "tiny", dict(E=4, K=64, N=32, top_k=2, limit=7.0))
+
+    def handles(name, max_tokens, layers=3, **options):
+        g = B.GEOMETRIES[name]
+        return [b12x_ops.prepare_experts(*B.random_layer(g["E"], g["K"], g["N"], "cpu", 100 + i), top_k=g["top_k"],
+                                         swiglu_limit=g["limit"], backend="triton", tune=False, gemv=False,
+                                         max_tokens=max_tokens, frozen=False, **options) for i in range(layers)]
+
+    def one_run(calls, reps=20):
+        for c in calls:
+            c()
+        return 1e-6
+
+    batches = B.layer_batches
+    monkeypatch.setattr(B, "experiment_handles", handles)
+    monkeypatch.setattr(B, "layer_batches", lambda M, E, K, top_k, layers, device="cuda": batches(M, E, K, top_k,
+                                                                                                 layers, "cpu"))
+    monkeypatch.setattr(B, "graph_time", one_run)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1")  # (half_tiles.py sets it)
+    spec = importlib.util.spec_from_file_location(script, os.path.join(root, "benchmarks", "experiments", script + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if hasattr(mod, "graph_time"):
+        monkeypatch.setattr(mod, "graph_time", one_run)
+    if argv is None:
+        mod.main(["--geometries", "tiny", "--sizes", "40"])
+    else:
+        monkeypatch.setattr(sys, "argv", [script] + argv)
+        mod.main()
+    out = capsys.readouterr().out
+    assert "tiny M=" in out
+    if script != "gluon_gemms":  # (its every form reads the compiled kernel's registers: none here, so each says FAILED)
+        assert "FAILED" not in out and "failed:" not in out, out

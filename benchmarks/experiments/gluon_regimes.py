@@ -14,14 +14,12 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 sys.path.insert(0, os.path.dirname(_HERE))
 
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, experiment_handles, form_output_and_us, layer_batches, rel_l2  # noqa: E402
+from bench_moe import experiment_points, form_output_and_us, rel_l2  # noqa: E402
 
 
 def forms(M, gp):
@@ -44,29 +42,21 @@ TL_DOT = os.environ.get("TL_DOT", "0") == "1"  # (the tl.dot forms too; by defau
 
 
 def main():
-    names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
-    for name in names:
-        geo = GEOMETRIES[name]
-        E, K, top_k = geo["E"], geo["K"], geo["top_k"]
-        hs = experiment_handles(name, max(sizes))
+    for name, hs, M, batch in experiment_points(sys.argv[1].split(","), sizes):
         gp = hs[0]._state.plans
-        for M in sizes:
-            xs, idss, wss, outs = layer_batches(M, E, K, top_k, 3)
-            print(f"{name} M={M}", flush=True)
-            want = None
-            for label, cfg in forms(M, gp):
-                try:
-                    got, t = form_output_and_us(hs, cfg, xs, idss, wss, outs)
-                    want = got if want is None else want
-                    nmax = gp.runner(cfg).blocks(M * top_k)  # (the entries this call's routing wrote)
-                    nb = int(gp.arena.buffers["blk_rows"][:nmax].gt(0).sum())
-                    print(f"  {label} (bm {cfg.bm}, {nb} blocks): {t:.1f} us/layer; rel L2 from the default "
-                          f"{rel_l2(got, want):.1e}", flush=True)
-                except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
-                    print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-300:]}", flush=True)
-        del hs
-        torch.cuda.empty_cache()
+        print(f"{name} M={M}", flush=True)
+        want = None
+        for label, cfg in forms(M, gp):
+            try:
+                got, t = form_output_and_us(hs, cfg, *batch)
+                want = got if want is None else want
+                nmax = gp.runner(cfg).blocks(M * gp.geometry.top_k)  # (the entries this call's routing wrote)
+                nb = int(gp.arena.buffers["blk_rows"][:nmax].gt(0).sum())
+                print(f"  {label} (bm {cfg.bm}, {nb} blocks): {t:.1f} us/layer; rel L2 from the default "
+                      f"{rel_l2(got, want):.1e}", flush=True)
+            except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
+                print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-300:]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def gemm1_joined_kernel(
     if e < 0:
         return
     rows, rvalid, tok, offs_n, nvalid, _, _ = _gemm1_tile(pid_m, pid_n, blk_rows_ptr, sorted_ptr, N, TOPK, UP_FIRST, BM,
-                                                          BN)
+                                                          BN, BM)  # (all BM rows: no half tile)
     KH: tl.constexpr = K // 2
     KS: tl.constexpr = K // 32
     BKH: tl.constexpr = BK // 2

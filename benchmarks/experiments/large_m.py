@@ -18,8 +18,6 @@ import dataclasses
 import os
 import sys
 
-import torch
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 sys.path.insert(0, os.path.dirname(_HERE))
@@ -31,11 +29,12 @@ from experiments.joined_gemm1 import gemm1_joined_kernel  # noqa: E402
 
 
 def use_joined(gp, cfg):
-    """Make ``cfg``'s GEMM1 launch the joined kernel (same compile-time parameters)."""
-    key = ("gemm1", cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, P._stages(cfg.bk1, cfg.stages1))
-    gp.launches.pop(key, None)
+    """Make ``cfg``'s GEMM1 launch the joined kernel (the same compile-time parameters, those it
+    declares: it has no half tiles and no programmatic dependent launch)."""
     ln = gp.launch("gemm1", cfg)
-    gp.launches[key] = P.Launch(gemm1_joined_kernel, ln.constexprs, ln.num_warps, ln.num_stages)
+    key = next(k for k, v in gp.launches.items() if v is ln)
+    constexprs = {k: v for k, v in ln.constexprs.items() if k in gemm1_joined_kernel.arg_names}
+    gp.launches[key] = P.Launch(gemm1_joined_kernel, constexprs, ln.num_warps, ln.num_stages)
     return key
 
 
@@ -61,36 +60,29 @@ def check():
 
 
 def bench(args):
-    from bench_moe import GEOMETRIES, experiment_handles, form_output_and_us, layer_batches, rel_l2
+    from bench_moe import experiment_points, form_output_and_us, rel_l2
 
-    for name in args.geometries:
-        geo = GEOMETRIES[name]
-        E, K, top_k = geo["E"], geo["K"], geo["top_k"]
-        hs = experiment_handles(name, max(args.sizes))
+    for name, hs, M, batch in experiment_points(args.geometries, args.sizes):
         gp = hs[0]._state.plans
-        for M in args.sizes:
-            xs, idss, wss, outs = layer_batches(M, E, K, top_k, 3)
-            base = P.default_config(M, gp.geometry, gemv=False)
-            variants = [("default", base, False),
-                        ("g1 (128,128,8,3)", dataclasses.replace(base, bm=128, bn1=128, warps1=8, stages1=3), False)]
-            for bm in ((base.bm, 128) if base.bm != 128 else (128,)):
-                for bn, w, st in ((128, 16, 3), (128, 16, 2), (64, 8, 3), (64, 16, 3)):
-                    variants.append((f"joined ({bn},128,{w},{st})",
-                                     dataclasses.replace(base, bm=bm, bn1=bn, bk1=128, warps1=w, stages1=st), True))
-            first = None
-            for label, cfg, joined in variants:
-                key = use_joined(gp, cfg) if joined else None
-                try:
-                    o, t = form_output_and_us(hs, cfg, xs, idss, wss, outs)
-                    first = o if first is None else first
-                    print(f"{name} M={M} bm={cfg.bm} {label}: {t:.1f} us, diff from default {rel_l2(o, first):.1e}",
-                          flush=True)
-                except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
-                    print(f"{name} M={M} bm={cfg.bm} {label}: failed: {type(exc).__name__}: {str(exc)[:100]}")
-                if key is not None:
-                    gp.launches.pop(key, None)
-        del hs
-        torch.cuda.empty_cache()
+        base = P.default_config(M, gp.geometry, gemv=False)
+        variants = [("default", base, False),
+                    ("g1 (128,128,8,3)", dataclasses.replace(base, bm=128, bn1=128, warps1=8, stages1=3), False)]
+        for bm in ((base.bm, 128) if base.bm != 128 else (128,)):
+            for bn, w, st in ((128, 16, 3), (128, 16, 2), (64, 8, 3), (64, 16, 3)):
+                variants.append((f"joined ({bn},128,{w},{st})",
+                                 dataclasses.replace(base, bm=bm, bn1=bn, bk1=128, warps1=w, stages1=st), True))
+        first = None
+        for label, cfg, joined in variants:
+            key = use_joined(gp, cfg) if joined else None
+            try:
+                o, t = form_output_and_us(hs, cfg, *batch)
+                first = o if first is None else first
+                print(f"{name} M={M} bm={cfg.bm} {label}: {t:.1f} us, diff from default {rel_l2(o, first):.1e}",
+                      flush=True)
+            except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
+                print(f"{name} M={M} bm={cfg.bm} {label}: failed: {type(exc).__name__}: {str(exc)[:100]}")
+            if key is not None:
+                gp.launches.pop(key, None)
 
 
 def main(argv=None):

@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import (GEOMETRIES, experiment_handles, form_output_and_us, graph_time, layer_batches,  # noqa: E402
-                       rel_l2)
+from bench_moe import experiment_points, form_output_and_us, graph_time, rel_l2  # noqa: E402
 
 
 def stage_us(handles, cfg, stage, xs, idss, wss, outs):
@@ -33,28 +32,22 @@ def stage_us(handles, cfg, stage, xs, idss, wss, outs):
 
 
 def main():
-    names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
     P.SLOT_BUFFER_BYTES = 2 << 30  # (one fp32 row a slot for every size asked: no chunks)
-    for name in names:
-        geo = GEOMETRIES[name]
-        hs = experiment_handles(name, max(sizes))
+    for name, hs, M, batch in experiment_points(sys.argv[1].split(","), sizes):
         gp = hs[0]._state.plans
-        for M in sizes:
-            xs, idss, wss, outs = layer_batches(M, geo["E"], geo["K"], geo["top_k"], len(hs))
-            base = gp.with_gluon(P.default_config(M, gp.geometry))
-            print(f"**{name} M={M}** ({base})", flush=True)
-            ref = None
-            for atomic in (True, False):
-                cfg = dataclasses.replace(base, atomic=atomic)
-                out, us = form_output_and_us(hs, cfg, xs, idss, wss, outs)
-                ref = out if ref is None else ref
-                g2 = stage_us(hs, cfg, "gemm2", xs, idss, wss, outs)
-                fin = stage_us(hs, cfg, "finalize", xs, idss, wss, outs)
-                label = "atomic adds into one fp32 row a token" if atomic else "one fp32 row a slot"
-                print(f"  {label}: whole op {us:.1f} us/layer, gemm2 {g2:.1f}, finalize {fin:.1f}; "
-                      f"rel L2 from the atomic form {rel_l2(out, ref):.1e}", flush=True)
-        del hs
+        base = gp.with_gluon(P.default_config(M, gp.geometry))
+        print(f"**{name} M={M}** ({base})", flush=True)
+        ref = None
+        for atomic in (True, False):
+            cfg = dataclasses.replace(base, atomic=atomic)
+            out, us = form_output_and_us(hs, cfg, *batch)
+            ref = out if ref is None else ref
+            g2 = stage_us(hs, cfg, "gemm2", *batch)
+            fin = stage_us(hs, cfg, "finalize", *batch)
+            label = "atomic adds into one fp32 row a token" if atomic else "one fp32 row a slot"
+            print(f"  {label}: whole op {us:.1f} us/layer, gemm2 {g2:.1f}, finalize {fin:.1f}; "
+                  f"rel L2 from the atomic form {rel_l2(out, ref):.1e}", flush=True)
 
 
 if __name__ == "__main__":
