@@ -709,7 +709,8 @@ def test_interp_experiments_run(script, argv, monkeypatch, capsys):
     monkeypatch.setattr(B, "graph_time", one_run)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1")  # (half_tiles.py sets it)
-    spec = importlib.util.spec_from_file_location(script, os.path.join(root, "benchmarks", "experiments", script + ".py"))
+    path = os.path.join(root, "benchmarks", "experiments", script + ".py")
+    spec = importlib.util.spec_from_file_location(script, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     if hasattr(mod, "graph_time"):
@@ -721,5 +722,5 @@ def test_interp_experiments_run(script, argv, monkeypatch, capsys):
         mod.main()
     out = capsys.readouterr().out
     assert "tiny M=" in out
-    if script != "gluon_gemms":  # (its every form reads the compiled kernel's registers: none here, so each says FAILED)
+    if script != "gluon_gemms":  # (each of its forms reads the compiled kernel's registers: none here, so FAILED)
         assert "FAILED" not in out and "failed:" not in out, out

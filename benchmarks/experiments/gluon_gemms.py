@@ -86,7 +86,8 @@ def main():
                     torch.cuda.synchronize()
                     words = got.view(torch.int16)  # (bf16 activations, fp32 slot rows: 16-bit words)
                     diff = (words != want.view(torch.int16)).sum().item()
-                    same = "; bit-identical to tl.dot" if diff == 0 else f"; {diff} of {words.numel()} 16-bit words differ"
+                    same = ("; bit-identical to tl.dot" if diff == 0
+                            else f"; {diff} of {words.numel()} 16-bit words differ")
                 ln = gp.stages(cfg, M)[1 if stage == "gemm1" else 2]
                 t1 = graph_time([lambda: _launch_all(st, cfg, xs[0], idss[0], wss[0], outs[0],
                                                      stages=(stage,))], reps=20) * 1e6
