@@ -136,7 +136,8 @@ def _print_triton_launch(device) -> None:
     _, why = plan.pdl_status(device)
     print(f"triton programmatic dependent launch: {why}")
     print(f"triton one-launch GEMV for eager calls: {plan.gemv_fused_status()}")
-    print(f"triton Gluon GEMM1 for large batches: {plan.gluon_status(device)[1]}")
+    print(f"triton Gluon GEMMs: {plan.gluon_status(device)[1]}")
+    print(f"triton half tiles for part-empty blocks: {plan.half_tiles_status()}")
 
 
 def _parse_geometry(text: str) -> tuple[int, int, int, int]:

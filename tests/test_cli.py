@@ -71,8 +71,8 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
     assert _field(info, fused).group(1).startswith("on: calls of up to 4 tokens (the GEMV path) outside CUDA-graph")
     monkeypatch.setenv("B12X_OPS_TRITON_GEMV_FUSED", "0")
     assert _field(_cli("info", "--device", "cpu").stdout, fused).group(1) == "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
-    # the Gluon GEMM1 (sm_90): on by default where it can run (not here, and the line says why); off when asked
-    gluon = r"^triton Gluon GEMM1 for large batches: (.*)$"
+    # the Gluon GEMMs (sm_90): on by default where they can run (not here, and the line says why); off when asked
+    gluon = r"^triton Gluon GEMMs: (.*)$"
     from b12x_ops.backends.triton import gluon_kernels as GK
 
     monkeypatch.setenv("B12X_OPS_TRITON_GLUON", "0")
@@ -81,6 +81,11 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
            else "off: needs an sm_90 CUDA device (got cpu)" if GK.HAS_GLUON
            else "off: this triton has no Gluon with Hopper's wgmma")
     assert _field(info, gluon).group(1) == why
+    # half tiles for part-empty blocks: on by default (from 64-row blocks), off when asked
+    half = r"^triton half tiles for part-empty blocks: (.*)$"
+    assert _field(info, half).group(1).startswith("on: in plans of 64-row blocks or more, a block holding at most half")
+    monkeypatch.setenv("B12X_OPS_TRITON_HALF", "0")
+    assert _field(_cli("info", "--device", "cpu").stdout, half).group(1) == "off (B12X_OPS_TRITON_HALF=0)"
 
 
 @pytest.mark.parametrize("backend", ["b12x", "triton"])

@@ -238,6 +238,14 @@ def half_tiles(bm: int) -> bool:
     return bm >= HALF_MIN_BM and os.environ.get("B12X_OPS_TRITON_HALF", "1") == "1"
 
 
+def half_tiles_status() -> str:
+    """Whether the GEMMs take half tiles, and from which block size (``b12x-ops info``)."""
+    if half_tiles(HALF_MIN_BM):
+        return (f"on: in plans of {HALF_MIN_BM}-row blocks or more, a block holding at most half its rows runs the tile "
+                "of half the rows (B12X_OPS_TRITON_HALF=0 turns it off)")
+    return "off (B12X_OPS_TRITON_HALF=0)"
+
+
 def _stages(bk: int, stages: int) -> int:
     """Pipeline stages a launch gets: at most 2 for 64-element K steps (see ``_REGIMES``)."""
     return min(stages, 2) if bk <= 64 else stages
