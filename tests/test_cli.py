@@ -210,3 +210,15 @@ def test_moe_layer_checks_its_router():
     model = TinyMoE(num_layers=1, hidden_size=64, intermediate_size=32, num_experts=4, backend="reference")
     with pytest.raises(ValueError, match="router_weight"):
         MoELayer(model.handles[0], torch.zeros(4, 32))
+
+
+def test_readme_info_sample_has_the_lines_info_prints(info):
+    """The README's ``b12x-ops info --device cpu`` sample names the same "triton ...:" lines, in the
+    same order, as the command prints (what each says may differ with the machine)."""
+    readme = (REPO / "README.md").read_text()
+    sample = readme.split("$ b12x-ops info --device cpu\n", 1)[1].split("$ ", 1)[0]
+
+    def labels(text):
+        return re.findall(r"^(triton [^:\n]+):", text, flags=re.M)
+
+    assert labels(sample) and labels(sample) == labels(info)
