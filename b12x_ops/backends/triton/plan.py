@@ -644,16 +644,19 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
-            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1, half_tiles(cfg.bm))
+            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
         elif kind == "gemm1":
-            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1), half_tiles(cfg.bm))
+            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
-            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic, half_tiles(cfg.bm))
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic,
-                   half_tiles(cfg.bm))
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
         else:
             key = (kind, cfg.atomic)
+        blocked_gemm = kind in ("gemm1", "gemm2") and not cfg.gemv
+        half = blocked_gemm and half_tiles(cfg.bm)  # (the blocked GEMMs' HALF, in their key too)
+        if blocked_gemm:
+            key += (half,)
         hit = self.launches.get(key)
         if hit is not None:
             return hit
@@ -688,25 +691,23 @@ class GeometryPlans:
         elif kind == "gemm1":  # (tl.dot, or Gluon: the same tile's constexprs, the layouts instead of the dot's)
             g1 = dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
                       HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
-                      BK=cfg.bk1, FOLD=self.fold)
+                      BK=cfg.bk1, FOLD=self.fold, HALF=half)
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
-                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, HALF=half_tiles(cfg.bm),
-                                                    **GK.layouts(2 * cfg.bn1, cfg.bm)),
+                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1)
             else:
-                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, HALF=half_tiles(cfg.bm)),
+                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold)
+                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
-                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, HALF=half_tiles(cfg.bm),
-                                                    **GK.layouts(cfg.bn2, cfg.bm)),
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
                         cfg.bn2 // 16, 1)
             else:
-                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, HALF=half_tiles(cfg.bm)),
+                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         else:
             f = FINALIZE
