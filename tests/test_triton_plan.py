@@ -209,3 +209,15 @@ def test_untuned_plans_take_the_gluon_gemm1_and_tuned_ones_keep_their_choice(tmp
     assert gp.configs[8192] == plain and not gp.configs[8192].gluon
     a, b = (P.cache_path(g, str(tmp_path), None, True, gl) for gl in (False, True))
     assert a != b
+
+
+def test_long_reductions_take_128_row_blocks_from_48_rows_an_expert():
+    """Geometries whose GEMM2 reduction is long (N >= GLUON2_MIN_N) take 128-row blocks above
+    LONG_N_BM128_ROWS rows an expert (gpt-oss at 2048 tokens: 64); short ones keep the bounds of
+    ``_REGIMES`` (the DeepSeek rank at 4096 tokens, 64 rows an expert: 64-row blocks)."""
+    gpt, dsv4 = geometry(*GEOS["gpt-oss-120b"]), geometry(*GEOS["dsv4.1-tp4"])
+    assert P.default_config(2048, gpt).bm == 128 and P.default_config(1024, gpt).bm == 64
+    assert P.default_config(4096, dsv4).bm == 64 and P.default_config(8192, dsv4).bm == 128
+    for tokens in (512, 1024, 2048, 8192):  # (the rule moves no count of a short reduction)
+        rows = tokens * dsv4.top_k / dsv4.num_experts
+        assert P._regime(tokens, dsv4) == next(c for b, c in P._REGIMES if rows <= b)

@@ -251,10 +251,20 @@ def _stages(bk: int, stages: int) -> int:
     return min(stages, 2) if bk <= 64 else stages
 
 
+# With half tiles, a geometry whose GEMM2 reduction is long (N >= GLUON2_MIN_N: 128-row blocks run
+# both GEMMs in Gluon) takes 128-row blocks from this many rows an expert: one block (or one half
+# tile) an expert, where 64-row blocks split the experts above 64 rows and decode their weights twice.
+# H200, gpt-oss at 2048 tokens (64 rows an expert): 1410 against 1467 us (results/gluon_regimes.md);
+# the DeepSeek rank (N = 576) loses 11 % at 64 rows an expert, so short reductions keep the bounds.
+LONG_N_BM128_ROWS = 48
+
+
 def _regime(tokens: int, geometry):
     g = geometry
     slots = tokens * g.top_k
     rows = slots / max(1, min(g.num_experts, slots))
+    if g.intermediate_size >= GLUON2_MIN_N and rows > LONG_N_BM128_ROWS:
+        return _REGIMES[-1][1]
     for bound, cands in _REGIMES:
         if rows <= bound:
             return cands
