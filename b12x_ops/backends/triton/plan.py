@@ -129,13 +129,15 @@ class Config:
 # gave wrong sums in about 1 call in 50 on the H200 when Triton pipelined it over 3 or 4 stages
 # (Qwen3 and DSv4 shapes; never at 2 stages or 128-element steps): such steps now get at most 2
 # stages (``_stages``), and the defaults take 128-element steps, as fast there
-# (``results/sweep_blocked_repacked.md``), except above 64 rows an expert, where GEMM2's 128-row
-# tile of 64-element steps at 2 stages is 6-9 % faster at M = 8192 (``results/sweep_blocked_large.md``).
+# (``results/sweep_blocked_repacked.md``). Above 64 rows an expert GEMM2 takes 128 weight rows a
+# program: in 128-element steps at 3 stages (two programs an SM: 251-255 registers, 115 KB of shared
+# memory) it is 5-7 % faster (whole op) on Qwen3 and DSv4 at M = 2048 and 8192 than in 64-element
+# steps at 2 stages (``results/sweep_gemm2_bm128.md``); the tuner also times the latter.
 _REGIMES = (
     (8, [(16, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (64, 64, 4, 2), (128, 64, 4, 2))]),
     (24, [(32, (64, 128, 4, 3), (64, 128, 4, 3)), (16, (64, 64, 4, 2), (128, 64, 4, 2))]),
     (64, [(64, (64, 128, 4, 3), (64, 128, 4, 3)), (32, (128, 128, 8, 3), (128, 64, 4, 2))]),
-    (1 << 30, [(128, (64, 128, 4, 3), (128, 64, 4, 2)), (64, (128, 128, 8, 3), (128, 64, 4, 2))]),
+    (1 << 30, [(128, (64, 128, 4, 3), (128, 128, 4, 3)), (64, (128, 128, 8, 3), (128, 64, 4, 2))]),
 )
 
 
@@ -807,7 +809,7 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 11, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 12, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])  # (11: the half tiles)
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
