@@ -593,3 +593,33 @@ def test_gpu_short_k_steps_are_not_pipelined_deep(name):
         _launch_all(st, cfg, x, ids, w, out)
         bad += int(not (torch.isfinite(out).all() and rel_l2(out, want) <= 1e-2))
     assert bad == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4"])
+def test_gpu_128_row_gemm2_tile_is_right_every_call(name):
+    """The 128-row plans' GEMM2 tile (128-element K steps at 3 stages, ``plan._REGIMES``) over full
+    128-row blocks (the slots on few experts): 150 deterministic calls write the same bytes, and
+    they are the reference's sums (the 64-element steps at 3 stages went wrong about once in 50)."""
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import plan as P
+
+    layer = make_layer(seed=8, device="cuda", **{k: v for k, v in GEOMETRIES[name].items() if k != "limit"})
+    ref = layer.prepare(backend="reference")
+    h = layer.prepare(backend="triton", tune=False, deterministic=True, max_tokens=256, frozen=False, gemv=False)
+    st = h._state
+    x, ids, w = make_batch(layer, 256, seed=6, device="cuda", foreign=False)
+    # slot j of every token on local expert j: top_k experts of 256 rows, two full 128-row blocks each
+    ids = layer.offset + torch.arange(layer.top_k, device="cuda", dtype=ids.dtype).expand(256, -1).contiguous()
+    want = b12x_ops.moe_w4a8(x, ids, w, ref)
+    cfg = P.default_config(8192, st.plans.geometry, gemv=False)
+    cfg = P.Config.of(128, cfg.tiles1(), cfg.tiles2(), False)
+    assert cfg.tiles2()[:4] == (128, 128, 4, 3)
+    st.plans.reserve(256, cfg)
+    assert st.plans.stages(cfg)[2].num_stages == 3
+    first = None
+    for _ in range(150):
+        out = torch.empty_like(x)
+        _launch_all(st, cfg, x, ids, w, out)
+        first = out.clone() if first is None else first
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+    assert torch.isfinite(first).all() and rel_l2(first, want) <= 1e-2
