@@ -256,8 +256,9 @@ def _stages(bk: int, stages: int) -> int:
 # With half tiles, a geometry whose GEMM2 reduction is long (N >= GLUON2_MIN_N: 128-row blocks run
 # both GEMMs in Gluon) takes 128-row blocks from this many rows an expert: one block (or one half
 # tile) an expert, where 64-row blocks split the experts above 64 rows and decode their weights twice.
-# H200, gpt-oss at 2048 tokens (64 rows an expert): 1410 against 1467 us (results/gluon_regimes.md);
-# the DeepSeek rank (N = 576) loses 11 % at 64 rows an expert, so short reductions keep the bounds.
+# H200, gpt-oss at 2048 tokens (64 rows an expert): 1410 against 1467 us (results/gluon_regimes.md),
+# 1480 -> 1421 us in the table (results/results.md); the DeepSeek rank (N = 576) loses 11 % at 64 rows
+# an expert, so short reductions keep the bounds.
 LONG_N_BM128_ROWS = 48
 
 
@@ -810,7 +811,7 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
                       g.has_global_scales, g.deterministic, dev, triton.__version__, 12, gemv, ptx, gluon,
-                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])  # (11: the half tiles)
+                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])  # (12: GEMM2's 128-row tile; 11: the half tiles)
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
