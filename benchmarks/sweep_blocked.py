@@ -29,16 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log,  # noqa: E402
+from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log, rel_l2,  # noqa: E402
                        random_layer)
 
 G1 = [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)]
 G2 = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 4, 3)]
-
-
-def rel_l2(a, b):
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def block_sizes(M, g):

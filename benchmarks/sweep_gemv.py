@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch_all  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log,  # noqa: E402
+from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log, rel_l2,  # noqa: E402
                        random_layer)
 
 # Beside the tuner's candidates, (bn, bk, warps, stages, steps a program): 128-row tiles on 8 warps
@@ -43,11 +43,6 @@ def sweep_tiles(geometry):
         t1.append((bn, bk, warps, stages, -(-s1 // per)))
         t2.append((bn, bk, warps, stages, geometry.top_k * -(-s2 // per)))
     return t1, t2
-
-
-def rel_l2(a, b):
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def main(argv=None):
