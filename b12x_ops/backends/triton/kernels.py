@@ -74,15 +74,14 @@ def local_expert(gid, expert_offset, E: tl.constexpr):
 
 
 @triton.jit
-def _block_tile(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr = 1):
+def _block_tile(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr):
     """A blocked GEMM program's ``(expert block, tile of BN of the OUT outputs, the block's
     expert)``, block-major: a block's tiles run together and share its rows in L2. The expert is
-    negative for a block past the batch's real ones (the program then does nothing). With ``SUB``
-    programs a block's rows (``gemm2_kernel``), the first entry counts sub-blocks, ``SUB`` a block."""
+    negative for a block past the batch's real ones (the program then does nothing)."""
     pid = tl.program_id(0)
     NT: tl.constexpr = (OUT + BN - 1) // BN
     pid_m = pid // NT
-    return pid_m, pid % NT, tl.load(blk_expert_ptr + pid_m // SUB)
+    return pid_m, pid % NT, tl.load(blk_expert_ptr + pid_m)
 
 
 @triton.jit
@@ -553,46 +552,34 @@ def gemm2_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PTX: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False, HALF: tl.constexpr = False,
-    SUB: tl.constexpr = 1,
 ):
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
     accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic).
-    ``SUB``: a block's rows are SUB programs' of BM / SUB rows each (a sub-block past the block's
-    rows does nothing), so that GEMM1's larger blocks keep GEMM2's tile. ``HALF``: a (sub-)block of
-    at most half its rows runs the tile of half the rows."""
+    ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
     pdl_start(PDL)
-    pid_j, pid_n, e = _block_tile(blk_expert_ptr, K, BN, SUB)
+    pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
-    BS: tl.constexpr = BM // SUB  # (rows a program; sub-block pid_j's rows are pid_j * BS ..)
-    nrow = tl.load(blk_rows_ptr + pid_j // SUB) - (pid_j % SUB) * BS
-    if SUB > 1:
-        if nrow <= 0:
-            return
     if HALF:
-        if nrow <= BS // 2:
-            _gemm2_block(pid_j, nrow, pid_n, e, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
-                         N, TOPK, HAS_GS, ATOMIC, BS, BS // 2, BN, BK, DOT_DTYPE, PTX, FOLD)
+        if tl.load(blk_rows_ptr + pid_m) <= BM // 2:
+            _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
+                         N, TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, DOT_DTYPE, PTX, FOLD)
         else:
-            _gemm2_block(pid_j, nrow, pid_n, e, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
-                         N, TOPK, HAS_GS, ATOMIC, BS, BS, BN, BK, DOT_DTYPE, PTX, FOLD)
+            _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
+                         N, TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD)
     else:
-        _gemm2_block(pid_j, nrow, pid_n, e, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
-                     TOPK, HAS_GS, ATOMIC, BS, BS, BN, BK, DOT_DTYPE, PTX, FOLD)
+        _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
+                     TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD)
 
 
 @triton.jit
-def _gemm2_block(pid_j, nrow, pid_n, e, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+def _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
                  K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
-                 BS: tl.constexpr, BMX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 BM: tl.constexpr, BMX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  PTX: tl.constexpr, FOLD: tl.constexpr):
-    """``gemm2_kernel``'s program on the first ``BMX`` of the ``BS`` rows of (sub-)block ``pid_j``,
-    ``nrow`` of which hold slots."""
-    offs_r = tl.arange(0, BMX)
-    rvalid = offs_r < nrow
-    rows = (pid_j * BS + offs_r).to(tl.int64)
-    slot = tl.load(sorted_ptr + rows, mask=rvalid, other=0)
+    """``gemm2_kernel``'s program on the first ``BMX`` rows of its ``BM``-row block."""
+    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM, BMX)
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     NH: tl.constexpr = N // 2

@@ -663,7 +663,7 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gluon2:
             key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic, cfg.split2)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
         else:
             key = (kind, cfg.atomic)
         blocked_gemm = kind in ("gemm1", "gemm2") and not cfg.gemv
@@ -716,14 +716,11 @@ class GeometryPlans:
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
             if cfg.gluon2:
-                if cfg.split2 != 1:
-                    raise ValueError(f"b12x_ops triton backend: no Gluon GEMM2 for {cfg} (it runs whole blocks: "
-                                     "split2 = 1)")
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
                 ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
                         cfg.bn2 // 16, 1)
             else:
-                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, SUB=cfg.split2),
+                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         else:
             f = FINALIZE
