@@ -635,6 +635,7 @@ def test_interp_tuner_runs_every_candidate_and_keeps_the_fastest(cap, monkeypatc
     stage_runs = sum(len({c.tiles1() for c in cands if (c.bm, c.gemv) == grp}) +
                      len({c.tiles2() for c in cands if (c.bm, c.gemv) == grp})
                      for grp in groups)
+    stage_runs += sum(1 for bm, gemv in groups if not gemv)  # (a blocked path's prologue and finalize, once)
     assert len(ticks) == stage_runs  # GEMM1 and GEMM2 tiles timed separately, each once
     # with times growing in timing order, the first group's first tiles win
     first = [c for c in cands if (c.bm, c.gemv) == groups[0]][0]
@@ -642,6 +643,37 @@ def test_interp_tuner_runs_every_candidate_and_keeps_the_fastest(cap, monkeypatc
     assert best.gemv == P.use_gemv(cap, g)  # (GEMV candidates sort first: bm 1)
     out = b12x_ops.moe_w4a8(*make_batch(layer, cap, seed=2)[:3], h)  # the handle still runs
     assert torch.isfinite(out).all()
+
+
+@inner
+def test_interp_tuner_compares_paths_by_all_their_launches(monkeypatch):
+    """The tuner adds a blocked path's routing prologue and finalize to its GEMMs before comparing it
+    with the GEMV path (which has neither): here the blocked GEMMs are faster than the GEMV kernels,
+    but not by the time of the two launches they need besides, so the GEMV path wins."""
+    from b12x_ops.backends import triton as TB
+    layer = make_layer(E=4, K=64, N=64, top_k=2, limit=7.0)
+    h = layer.prepare(backend="triton", max_tokens=4)
+    st = h._state
+    launched = []
+    real = TB._launch_all
+
+    def spy(state, cfg, *args, stages=TB._ALL):
+        launched.append((cfg.gemv, tuple(stages)))
+        return real(state, cfg, *args, stages=stages)
+
+    def fake_time_ms(fn, reps=5, calls=10):
+        launched.clear()
+        fn()
+        gemv, stages = launched[-1]
+        if "finalize" in stages:
+            return 3.0  # (a blocked path's prologue and finalize)
+        return 5.0 if gemv else 4.0  # (each GEMM stage)
+
+    monkeypatch.setattr(TB, "_launch_all", spy)
+    monkeypatch.setattr(TB, "_time_ms", fake_time_ms)
+    cands = P.candidate_configs(4, st.plans.geometry)
+    assert any(c.gemv for c in cands) and any(not c.gemv for c in cands)
+    assert TB._tune_one(st, 4).gemv  # GEMV 5 + 5 against blocked 4 + 4 + 3
 
 
 @inner
