@@ -198,35 +198,52 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     return {c: cached[c] for c in caps}
 
 
-def _time_ms(fn, reps=5, calls=10):
-    """Median GPU milliseconds of one ``fn()``: replayed from a CUDA graph of ``calls`` calls, so
-    the host's launch cost (tens of us a launch) does not hide the difference between fast
-    kernels; plain launches if the capture fails."""
+def _time_ms(fn, device, reps=15):
+    """Median GPU milliseconds of one ``fn()`` with its weights in HBM, not in L2: ``fn`` replayed
+    from a CUDA graph (so the host's launch cost, tens of us a launch, does not hide the difference
+    between fast kernels), each replay after a write of twice the L2's size. A model's layers
+    each bring their own weights, so a call rarely finds its weights in L2; a tuner timing one
+    layer's calls back to back would time them L2-resident at small M, where that decides.
+    Plain launches if the capture fails. ``device``: the CUDA device ``fn`` runs on."""
     fn()  # compiles on the first call
     torch.cuda.synchronize()
-    run, per = fn, 1
+    run = fn
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+            fn()
         graph.replay()
         torch.cuda.synchronize()
-        run, per = graph.replay, calls
+        run = graph.replay
     except Exception as exc:  # noqa: BLE001 - timing still works without a graph
         from .plan import log
         log.info("tuning without CUDA graphs: %s", exc)
         torch.cuda.synchronize()
+    flush = _l2_flush_buffer(torch.device(device))
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     ts = []
     for _ in range(reps):
+        flush.add_(1)
         start.record()
         run()
         end.record()
         end.synchronize()
-        ts.append(start.elapsed_time(end) / per)
+        ts.append(start.elapsed_time(end))
     return sorted(ts)[len(ts) // 2]
+
+
+_L2_FLUSH: dict[int, torch.Tensor] = {}  # (by device index)
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    """A buffer of twice the L2's size on ``device`` (made once): writing it evicts the L2."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _L2_FLUSH.get(index)
+    if buf is None:
+        l2 = getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or (64 << 20)
+        buf = _L2_FLUSH[index] = torch.zeros(2 * l2 // 4, dtype=torch.int32, device=torch.device("cuda", index))
+    return buf
 
 
 def _tune_one(state, cap):
@@ -240,6 +257,7 @@ def _tune_one(state, cap):
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
     cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon)
+    dev = g.device
     best = None
     for bm, gemv in sorted({(c.bm, c.gemv) for c in cands}):
         group = [c for c in cands if (c.bm, c.gemv) == (bm, gemv)]
@@ -252,14 +270,14 @@ def _tune_one(state, cap):
         t1 = {}
         t2 = {}
         fixed = 0.0 if gemv else _time_ms(lambda: _launch_all(state, group[0], x, ids, w, out,
-                                                               stages=("prologue", "finalize")))
+                                                               stages=("prologue", "finalize")), dev)
         for c in group:
             k1, k2 = (c.tiles1(), c.gluon), (c.tiles2(), c.gluon2)  # (a Gluon GEMM and tl.dot's of one tile differ)
             try:
                 if k1 not in t1:
-                    t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=st1))
+                    t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=st1), dev)
                 if k2 not in t2:
-                    t2[k2] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm2",)))
+                    t2[k2] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm2",)), dev)
             except Exception as exc:  # a config the GPU cannot run (shared memory, registers)
                 P.log.info("config %s failed: %s", c, exc)
                 t1.setdefault(k1, float("inf"))
