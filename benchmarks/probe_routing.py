@@ -50,7 +50,8 @@ def launchers(g, gp, cfg, rn, x, ids, w):
     """``{(kernel, what): fn}`` for kernel in old/new, what in route/prologue."""
     a = gp.arena.buffers
     M, E = x.shape[0], g.num_experts
-    ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(ids, w)
+    ids_r, (si0, si1), w_r, (sw0, sw1), w_kind = _raw_routing(ids, w)
+    ids32, w16 = ids_r.view(torch.int32), w_r.view(torch.int16)  # (the words the kernels read)
     nb = rn.blocks(M * g.top_k)
     head = (ids32, w16, x.view(torch.int16), a["xq"], a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
             a["blk_rows"])

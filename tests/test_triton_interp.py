@@ -421,6 +421,52 @@ def test_interp_every_input_dtype_through_one_kernel(w_dtype, id_dtype):
 
 
 @inner
+@pytest.mark.parametrize("form", ["fused", "gemv", "gemv-xq", "blocked"])
+def test_interp_compiled_launches_get_the_same_addresses_without_views(form, monkeypatch):
+    """A launch that is not compiled yet gets x, out, the ids and the weights as the 16/32-bit views its
+    kernel is compiled for; a compiled one (after a GPU prepare) gets the caller's tensors themselves,
+    since triton's launcher reads only their addresses (``_as``). Both argument lists hold the same
+    addresses and scalars, position by position, for every launch of each path (int64 ids, fp32
+    weights, strided: the words' strides are the views')."""
+    from b12x_ops.backends import triton as TB
+    layer = make_layer(E=4, K=64, N=32, top_k=3, offset=1)
+    h = layer.prepare(backend="triton", max_tokens=8)
+    gp = h._state.plans
+    M = 4
+    x, ids, w = make_batch(layer, M, seed=2, w_dtype=torch.float32, id_dtype=torch.int64, strided=True)
+    base = P.default_config(M, gp.geometry, gemv=form != "blocked")
+    if base.gemv:
+        base = dataclasses.replace(base, xq=form == "gemv-xq", fused=form == "fused")
+    cfg = base
+    assert cfg.gemv == (form != "blocked") and cfg.fused == (form == "fused") and cfg.xq == (form == "gemv-xq")
+    gp.reserve(M, cfg)
+    rn = gp.runner(cfg)
+    calls = []
+    monkeypatch.setattr(P.Launch, "__call__", lambda self, grid, *args: calls.append((self, grid, args)))
+    out = torch.empty_like(x)
+    TB._launch(h._state, rn, x, ids, w, out, TB._ALL)
+    fresh = list(calls)
+    calls.clear()
+    for ln, _, _ in fresh:
+        monkeypatch.setattr(ln, "compiled", object())
+    TB._launch(h._state, rn, x, ids, w, out, TB._ALL)
+    assert len(fresh) == len(calls) == len(gp.kinds(cfg))
+    callers = {x.data_ptr(): x, ids.data_ptr(): ids, w.data_ptr(): w, out.data_ptr(): out}
+    undone = set()
+    for (ln0, g0, a0), (ln1, g1, a1) in zip(fresh, calls):
+        assert ln0 is ln1 and g0 == g1 and len(a0) == len(a1)
+        for v, r in zip(a0, a1):
+            if isinstance(v, torch.Tensor):
+                assert isinstance(r, torch.Tensor) and v.data_ptr() == r.data_ptr()
+                if r is not v:  # (a view made for the compile: the compiled launch takes the caller's own tensor)
+                    assert r is callers[r.data_ptr()] and v.dtype in (torch.int16, torch.int32)
+                    undone.add(r.data_ptr())
+            else:
+                assert v == r
+    assert undone == set(callers)  # (every one of the four is viewed by some launch of every path)
+
+
+@inner
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("gemv", [None, True])
 def test_interp_atomic_and_chunked_paths(deterministic, gemv):

@@ -317,24 +317,30 @@ _W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _raw_routing(topk_ids, topk_weights):
-    """The caller's routing as raw 32/16-bit views, so one compiled kernel serves every dtype the op
-    accepts (int32/int64 ids: the low word of an int64): ``(ids32, (si0, si1), w16, (sw0, sw1),
-    w_kind)`` with strides in view elements."""
+    """The caller's routing as the 32/16-bit words the kernels read, so that one compiled kernel serves
+    every dtype the op accepts (int32/int64 ids: the low word of an int64): ``(ids, (si0, si1), w,
+    (sw0, sw1), w_kind)``, the strides in those words (``_as`` gives a launch the words' view)."""
     si0, si1 = topk_ids.stride()
     if topk_ids.dtype == torch.int64:
         if si1 != 1:
             topk_ids = topk_ids.contiguous()
             si0, si1 = topk_ids.stride()
-        ids32, si0, si1 = topk_ids.view(torch.int32), 2 * si0, 2 * si1
-    else:
-        ids32 = topk_ids
+        si0, si1 = 2 * si0, 2 * si1
     sw0, sw1 = topk_weights.stride()
     if topk_weights.dtype == torch.float32:
         if sw1 != 1:
             topk_weights = topk_weights.contiguous()
             sw0, sw1 = topk_weights.stride()
         sw0, sw1 = 2 * sw0, 2 * sw1
-    return ids32, (si0, si1), topk_weights.view(torch.int16), (sw0, sw1), _W_KIND[topk_weights.dtype]
+    return topk_ids, (si0, si1), topk_weights, (sw0, sw1), _W_KIND[topk_weights.dtype]
+
+
+def _as(t, dtype, ln):
+    """``t`` as launch ``ln`` takes it: its ``dtype`` view until ``ln`` is compiled (the compile
+    specializes on the pointer's element type), then ``t`` itself: a compiled launch reads only the
+    tensor's address (triton's launcher calls ``data_ptr()``), which a dtype view shares, and a view
+    costs more host time a call (about 1.5 us) than all of a launch's other argument handling."""
+    return t if ln.compiled is not None else t.view(dtype)
 
 
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
@@ -348,39 +354,44 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     m = x.shape[0]
     cfg = rn.cfg
     S = m * state.plans.geometry.top_k
+    I16, I32 = torch.int16, torch.int32  # (the words the kernels read x, out, ids and weights as: ``_as``)
     if cfg.gemv:  # one launch (fused), two, or three with x quantized first; no routing pass (kernels.gemv1_kernel)
-        ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
-        x16, x_fp16 = x.view(torch.int16), int(x.dtype == torch.float16)
+        ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
+        x_fp16 = int(x.dtype == torch.float16)
         if cfg.fused:  # one launch (kernels.gemv_fused_kernel)
             if "gemm1" in stages:
-                rn.gemm1((rn.fused_programs(m, state.plans.geometry.top_k), 1, 1),
-                         x16, ids32, w16, state.w13, state.w13_scale, state.g13, state.w2, state.w2_scale, state.g2,
-                         a["act"], out.view(torch.int16), a["part1"], a["cnt1"], a["part2"], a["cnt2"], a["sync"], m,
-                         x.stride(0), si0, si1, sw0, sw1, state.expert_offset, x_fp16, w_kind, out.stride(0),
-                         int(out.dtype == torch.float16), state.limit)
+                ln = rn.gemm1
+                ln((rn.fused_programs(m, state.plans.geometry.top_k), 1, 1),
+                   _as(x, I16, ln), _as(ids, I32, ln), _as(w, I16, ln), state.w13, state.w13_scale, state.g13,
+                   state.w2, state.w2_scale, state.g2, a["act"], _as(out, I16, ln), a["part1"], a["cnt1"], a["part2"],
+                   a["cnt2"], a["sync"], m, x.stride(0), si0, si1, sw0, sw1, state.expert_offset, x_fp16, w_kind,
+                   out.stride(0), int(out.dtype == torch.float16), state.limit)
             return
         if cfg.xq and "prologue" in stages:
-            rn.prologue((m, rn.xquant_tiles, 1), x16, a["xq"], m, x.stride(0), x_fp16)
+            ln = rn.prologue
+            ln((m, rn.xquant_tiles, 1), _as(x, I16, ln), a["xq"], m, x.stride(0), x_fp16)
         if "gemm1" in stages:
-            rn.gemm1((S * rn.n_tiles1, 1, 1),
-                     x16, a["xq"], ids32, state.w13, state.w13_scale, state.g13, a["act"], a["part1"],
-                     a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, x_fp16, state.limit)
+            ln = rn.gemm1
+            ln((S * rn.n_tiles1, 1, 1),
+               _as(x, I16, ln), a["xq"], _as(ids, I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
+               a["part1"], a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, x_fp16, state.limit)
         if "gemm2" in stages:
-            rn.gemm2((m * rn.n_tiles2, 1, 1),
-                     a["act"], ids32, w16, state.w2, state.w2_scale, state.g2, out.view(torch.int16),
-                     a["part2"], a["cnt2"], m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
-                     int(out.dtype == torch.float16))
+            ln = rn.gemm2
+            ln((m * rn.n_tiles2, 1, 1),
+               a["act"], _as(ids, I32, ln), _as(w, I16, ln), state.w2, state.w2_scale, state.g2, _as(out, I16, ln),
+               a["part2"], a["cnt2"], m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
+               int(out.dtype == torch.float16))
         return
     nb = rn.blocks(S)
     dst = a["acc"] if cfg.atomic else a["slots"]
     xq, act = a["xq"], a["act"]
     if "prologue" in stages:
-        ids32, (si0, si1), w16, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
-        rn.prologue(
-            (rn.prologue_programs(m, state.plans.geometry.top_k), 1, 1),
-            ids32, w16, x.view(torch.int16), xq, a["acc"], a["lid"], a["wts"], a["sorted"], a["blk_expert"],
-            a["blk_rows"], a["route_cnt"], a["route_key"], a["route_off"], m, si0, si1, sw0, sw1, x.stride(0),
-            state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
+        ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
+        ln = rn.prologue
+        ln((rn.prologue_programs(m, state.plans.geometry.top_k), 1, 1),
+           _as(ids, I32, ln), _as(w, I16, ln), _as(x, I16, ln), xq, a["acc"], a["lid"], a["wts"], a["sorted"],
+           a["blk_expert"], a["blk_rows"], a["route_cnt"], a["route_key"], a["route_off"], m, si0, si1, sw0, sw1,
+           x.stride(0), state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
     if "gemm1" in stages:
         rn.gemm1(
             (nb * rn.n_tiles1, 1, 1),
@@ -391,9 +402,9 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
             (nb * rn.n_tiles2, 1, 1),
             act, a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"], dst, nb)
     if "finalize" in stages:
-        rn.finalize(
-            (-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
-            dst, a["lid"], out.view(torch.int16), m, out.stride(0), int(out.dtype == torch.float16))
+        ln = rn.finalize
+        ln((-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
+           dst, a["lid"], _as(out, I16, ln), m, out.stride(0), int(out.dtype == torch.float16))
 
 
 def scratch_estimate(geometry, capacities, gemv=None) -> int:
