@@ -32,8 +32,9 @@ def test_interpreter_suite():
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    # (the timeout only guards against a hang: on a slow 2-core machine the child has taken 15 minutes)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10",
+                           __file__], cwd=root, env=env, capture_output=True, text=True, timeout=2700)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
