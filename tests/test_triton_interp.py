@@ -663,7 +663,7 @@ def test_interp_tuner_runs_every_candidate_and_keeps_the_fastest(cap, monkeypatc
     st = h._state
     ticks, failures = [], []
 
-    def fake_time_ms(fn, device, reps=15):
+    def fake_time_ms(fn, flush, reps=15):
         fn()  # the stage really runs (under the interpreter); its "time" grows with every candidate
         ticks.append(len(ticks))
         return float(len(ticks))
@@ -708,7 +708,7 @@ def test_interp_tuner_compares_paths_by_all_their_launches(monkeypatch):
         launched.append((cfg.gemv, tuple(stages)))
         return real(state, cfg, *args, stages=stages)
 
-    def fake_time_ms(fn, device, reps=15):
+    def fake_time_ms(fn, flush, reps=15):
         launched.clear()
         fn()
         gemv, stages = launched[-1]

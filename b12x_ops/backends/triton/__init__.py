@@ -198,13 +198,13 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     return {c: cached[c] for c in caps}
 
 
-def _time_ms(fn, device, reps=15):
+def _time_ms(fn, flush, reps=15):
     """Median GPU milliseconds of one ``fn()`` with its weights in HBM, not in L2: ``fn`` replayed
     from a CUDA graph (so the host's launch cost, tens of us a launch, does not hide the difference
     between fast kernels), each replay after a write of twice the L2's size. A model's layers
     each bring their own weights, so a call rarely finds its weights in L2; a tuner timing one
     layer's calls back to back would time them L2-resident at small M, where that decides.
-    Plain launches if the capture fails. ``device``: the CUDA device ``fn`` runs on."""
+    Plain launches if the capture fails. ``flush``: ``_l2_flush_buffer``'s buffer on ``fn``'s device."""
     fn()  # compiles on the first call
     torch.cuda.synchronize()
     run = fn
@@ -219,7 +219,6 @@ def _time_ms(fn, device, reps=15):
         from .plan import log
         log.info("tuning without CUDA graphs: %s", exc)
         torch.cuda.synchronize()
-    flush = _l2_flush_buffer(torch.device(device))
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     ts = []
@@ -233,17 +232,13 @@ def _time_ms(fn, device, reps=15):
     return sorted(ts)[len(ts) // 2]
 
 
-_L2_FLUSH: dict[int, torch.Tensor] = {}  # (by device index)
-
-
-def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
-    """A buffer of twice the L2's size on ``device`` (made once): writing it evicts the L2."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _L2_FLUSH.get(index)
-    if buf is None:
-        l2 = getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or (64 << 20)
-        buf = _L2_FLUSH[index] = torch.zeros(2 * l2 // 4, dtype=torch.int32, device=torch.device("cuda", index))
-    return buf
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor | None:
+    """A buffer of twice the L2's size on CUDA ``device``, for one tuning step (it goes back to the
+    caching allocator after): writing it evicts the L2. None on other devices."""
+    if device.type != "cuda":
+        return None
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)
+    return torch.zeros(2 * l2 // 4, dtype=torch.int32, device=device)
 
 
 def _tune_one(state, cap):
@@ -257,7 +252,7 @@ def _tune_one(state, cap):
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
     cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon)
-    dev = g.device
+    flush = _l2_flush_buffer(g.device)
     best = None
     for bm, gemv in sorted({(c.bm, c.gemv) for c in cands}):
         group = [c for c in cands if (c.bm, c.gemv) == (bm, gemv)]
@@ -270,14 +265,14 @@ def _tune_one(state, cap):
         t1 = {}
         t2 = {}
         fixed = 0.0 if gemv else _time_ms(lambda: _launch_all(state, group[0], x, ids, w, out,
-                                                               stages=("prologue", "finalize")), dev)
+                                                               stages=("prologue", "finalize")), flush)
         for c in group:
             k1, k2 = (c.tiles1(), c.gluon), (c.tiles2(), c.gluon2)  # (a Gluon GEMM and tl.dot's of one tile differ)
             try:
                 if k1 not in t1:
-                    t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=st1), dev)
+                    t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=st1), flush)
                 if k2 not in t2:
-                    t2[k2] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm2",)), dev)
+                    t2[k2] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=("gemm2",)), flush)
             except Exception as exc:  # a config the GPU cannot run (shared memory, registers)
                 P.log.info("config %s failed: %s", c, exc)
                 t1.setdefault(k1, float("inf"))
