@@ -192,30 +192,6 @@ def pdl_start(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# sm_90's bulk L2 prefetch: thread t < count of the program asks the L2 for nbytes (a multiple
-# of 16) from base + t * stride (16-byte aligned), one instruction a chunk, nothing waited for.
-_L2_PREFETCH_PTX = tl.constexpr("""{
-.reg .pred p;
-.reg .u32 t;
-.reg .u64 a;
-mov.u32 t, %tid.x;
-setp.lt.u32 p, t, $3;
-mul.wide.u32 a, t, $2;
-add.u64 a, a, $1;
-@p cp.async.bulk.prefetch.L2.global [a], $4;
-mov.b32 $0, 0;
-}""")
-
-
-@triton.jit
-def l2_prefetch(base, stride, count, nbytes):
-    """``count`` chunks of ``nbytes`` at ``base + i * stride`` (bytes) into L2 (``_L2_PREFETCH_PTX``):
-    a small-M program's whole code tile is in flight from its start, where its K steps' own loads
-    would wait on HBM one after another. sm_90 and newer, compiled code only (no interpreter)."""
-    tl.inline_asm_elementwise(_L2_PREFETCH_PTX, "=r,l,r,r,r", [base, stride, count, nbytes], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 @triton.jit
 def half_bits_to_f32(raw, is_fp16):
     """fp32 value of 16-bit floats given as int16 bits: fp16 when ``is_fp16`` (a runtime flag), else bf16."""
@@ -684,7 +660,7 @@ def gemv1_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-    XQ: tl.constexpr = False, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    XQ: tl.constexpr = False, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Program (slot b, N tile, K part): ``dq8(silu(gate) * up)`` of slot ``b``, ``[BN]``, into
     row ``b`` of ``a`` (split layout). ``x`` and the ids come as raw 16-/32-bit views (see
@@ -696,7 +672,7 @@ def gemv1_kernel(
     pdl_start(PDL)
     _gemv1_program(tl.program_id(0), x_ptr, xq_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr, S,
                    stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit, K, N, TOPK, E, UP_FIRST, HAS_LIMIT,
-                   HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD, SPLIT, XQ, STAGES, PREFETCH)
+                   HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD, SPLIT, XQ, STAGES)
 
 
 @triton.jit
@@ -706,10 +682,9 @@ def _gemv1_program(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr, SPLIT: tl.constexpr, XQ: tl.constexpr,
-    STAGES: tl.constexpr, PREFETCH: tl.constexpr = False,
+    STAGES: tl.constexpr,
 ):
-    """gemv1's program ``pid`` (``gemv1_kernel``; also a role of ``gemv_fused_kernel``). ``PREFETCH``:
-    its up and gate codes into L2 first (``l2_prefetch``)."""
+    """gemv1's program ``pid`` (``gemv1_kernel``; also a role of ``gemv_fused_kernel``)."""
     b = pid % S
     rest = pid // S
     part = rest % SPLIT
@@ -741,11 +716,6 @@ def _gemv1_program(
     PER: tl.constexpr = ((K + BK - 1) // BK + SPLIT - 1) // SPLIT * BK
     k_lo = part * PER
     k_hi = tl.minimum(k_lo + PER, K)
-    if PREFETCH:  # each row group's chunks k_lo .. k_hi (64 elements, 512 bytes a chunk)
-        ng = tl.minimum(BN // 16, (N - pid_n * BN + 15) // 16)
-        nb = (k_hi - k_lo + 63) // 64 * 512
-        l2_prefetch(up_g + (k_lo // 64) * 512, NQ * 512, ng, nb)
-        l2_prefetch(gate_g + (k_lo // 64) * 512, NQ * 512, ng, nb)
     up_s = s_e + up_rows[:, None] * KS + j[None, :]
     gate_s = s_e + gate_rows[:, None] * KS + j[None, :]
     sm = nvalid[:, None] & ((k_lo // 32 + j) < KS)[None, :]
@@ -851,57 +821,17 @@ def gemv2_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, HAS_GS: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False,
     FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """Program (token m, K tile of BN outputs, part): ``sum_j wts[m, j] * dq8(a[m, j]) @ W2[e_j]^T``
     over the token's local slots in slot order, rounded once to the output dtype. With ``SPLIT``
     > 1 the work is split between that many programs: a multiple of ``TOPK`` gives each one slot
     and one of ``SPLIT / TOPK`` runs of its N steps, any other split runs of consecutive slots (some
     of them empty above ``TOPK``). The last program to finish adds the parts' sums in part order
-    (``_last_of_split``). ``PREFETCH``: the program's codes into L2 first, before ``pdl_start``'s wait
-    (they depend only on the ids, which the previous stage does not write)."""
-    if PREFETCH:
-        _gemv2_prefetch(tl.program_id(0), ids_ptr, w_ptr, M, stride_im, stride_ik, expert_offset, K, N, TOPK, E, BN,
-                        BK, SPLIT)
+    (``_last_of_split``)."""
     pdl_start(PDL)
     _gemv2_program(tl.program_id(0), a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M,
                    stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16, K, N, TOPK,
                    E, HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD, SPLIT, STAGES)
-
-
-@triton.jit
-def _gemv2_parts(pid, M, K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SPLIT: tl.constexpr):
-    """gemv2's program ``pid``: its token, K tile, run of slots (``PER`` of them) and N range."""
-    m = pid % M
-    rest = pid // M
-    part = rest % SPLIT
-    pid_n = rest // SPLIT
-    KP: tl.constexpr = SPLIT // TOPK if SPLIT % TOPK == 0 else 1  # runs of N steps a slot
-    RUNS: tl.constexpr = SPLIT // KP  # runs of slots
-    PER: tl.constexpr = (TOPK + RUNS - 1) // RUNS  # slots a run
-    NPER: tl.constexpr = ((N + BK - 1) // BK + KP - 1) // KP * BK  # N elements a run of steps
-    n_lo = (part % KP) * NPER
-    return m, part, pid_n, part // KP, n_lo, tl.minimum(n_lo + NPER, N)
-
-
-@triton.jit
-def _gemv2_prefetch(pid, ids_ptr, w_ptr, M, stride_im, stride_ik, expert_offset, K: tl.constexpr, N: tl.constexpr,
-                    TOPK: tl.constexpr, E: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
-    """``l2_prefetch`` of gemv2 program ``pid``'s codes: each of its slots' row groups, chunks n_lo .. n_hi."""
-    m, part, pid_n, run, n_lo, n_hi = _gemv2_parts(pid, M, K, N, TOPK, BN, BK, SPLIT)
-    KP: tl.constexpr = SPLIT // TOPK if SPLIT % TOPK == 0 else 1
-    PER: tl.constexpr = (TOPK + SPLIT // KP - 1) // (SPLIT // KP)
-    NQ: tl.constexpr = (N // 2 + 31) // 32
-    ng = tl.minimum(BN // 16, (K - pid_n * BN + 15) // 16)
-    nb = (n_hi - n_lo + 63) // 64 * 512
-    for jj in tl.static_range(TOPK):
-        if jj // PER == run:
-            gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + jj * stride_ik).to(tl.int64)
-            e, ours = local_expert(gid, expert_offset, E)
-            if ours:
-                l2_prefetch(w_ptr + e * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512) + (n_lo // 64) * 512,
-                            NQ * 512, ng, nb)
 
 
 @triton.jit
@@ -913,12 +843,19 @@ def _gemv2_program(
     SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     """gemv2's program ``pid`` (``gemv2_kernel``; also a role of ``gemv_fused_kernel``)."""
-    m, part, pid_n, run, n_lo, n_hi = _gemv2_parts(pid, M, K, N, TOPK, BN, BK, SPLIT)
+    m = pid % M
+    rest = pid // M
+    part = rest % SPLIT
+    pid_n = rest // SPLIT
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     KP: tl.constexpr = SPLIT // TOPK if SPLIT % TOPK == 0 else 1  # runs of N steps a slot
     RUNS: tl.constexpr = SPLIT // KP  # runs of slots
     PER: tl.constexpr = (TOPK + RUNS - 1) // RUNS  # slots a run
+    NPER: tl.constexpr = ((N + BK - 1) // BK + KP - 1) // KP * BK  # N elements a run of steps
+    run = part // KP
+    n_lo = (part % KP) * NPER
+    n_hi = tl.minimum(n_lo + NPER, N)
     gvalid = (pid_n * BN + 16 * tl.arange(0, BN // 16)) < K
     m64 = m.to(tl.int64)
     total = tl.zeros((BN,), dtype=tl.float32)

@@ -171,26 +171,6 @@ def pdl_status(device) -> tuple[bool, str]:
     return True, "on (B12X_OPS_TRITON_PDL=1)"
 
 
-# The GEMV kernels ask the L2 for their programs' whole code tiles first (``kernels.l2_prefetch``,
-# sm_90's bulk prefetch). Off by default while it is measured (B12X_OPS_TRITON_PREFETCH=1 turns it on).
-PREFETCH_DEFAULT = False
-
-
-def prefetch_status(device, ptx: bool = True) -> tuple[bool, str]:
-    """Whether the GEMV kernels on ``device`` prefetch their codes into L2, and why."""
-    env = os.environ.get("B12X_OPS_TRITON_PREFETCH")
-    if not (PREFETCH_DEFAULT if env is None else env == "1"):
-        return False, "off by default (B12X_OPS_TRITON_PREFETCH=1 turns it on)"
-    if INTERPRET:
-        return False, "off: TRITON_INTERPRET=1"
-    cc = _capability(device)
-    if cc is None or cc < (9, 0):
-        return False, f"off: needs a CUDA device of sm_90 or newer (got {device})"
-    if not ptx:
-        return False, "off: it goes with the inline-PTX decode, which these scales do not allow"
-    return True, "on"
-
-
 # The GEMMs in Gluon (``gluon_kernels``) on sm_90: their MMAs run asynchronously under the next K
 # step's decode, which ``tl.dot`` cannot express, and they write the same bits as the tl.dot GEMMs of
 # the same tile. On by default (B12X_OPS_TRITON_GLUON=0 turns them off) for plans of at least
@@ -613,7 +593,6 @@ class GeometryPlans:
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
         self.pdl = pdl_status(g.device)[0] if pdl is None else bool(pdl)
         self.gluon = False if dry else gluon_status(g.device, self.ptx)[0]  # (GLUON_GEMM1)
-        self.prefetch = False if dry else prefetch_status(g.device, self.ptx)[0]
 
     # ---- per call
     def cap_for(self, m: int) -> int:
@@ -717,12 +696,10 @@ class GeometryPlans:
                                                    BK2=cfg.bk2, SPLIT2=cfg.split2, ST1=st1, ST2=st2),
                         cfg.warps1, max(st1, st2), GEMV1_MAXNREG)
             elif kind == "gemm1":
-                ln = mk(K_.gemv1_kernel, dict(gv1, BN=cfg.bn1, BK=cfg.bk1, SPLIT=cfg.split1, XQ=cfg.xq, STAGES=st1,
-                                              PREFETCH=self.prefetch),
+                ln = mk(K_.gemv1_kernel, dict(gv1, BN=cfg.bn1, BK=cfg.bk1, SPLIT=cfg.split1, XQ=cfg.xq, STAGES=st1),
                         cfg.warps1, st1, None if cfg.xq else GEMV1_MAXNREG)
             else:  # (gemm2: the GEMV path has no finalize)
-                ln = mk(K_.gemv2_kernel, dict(gv, BN=cfg.bn2, BK=cfg.bk2, SPLIT=cfg.split2, STAGES=st2,
-                                              PREFETCH=self.prefetch),
+                ln = mk(K_.gemv2_kernel, dict(gv, BN=cfg.bn2, BK=cfg.bk2, SPLIT=cfg.split2, STAGES=st2),
                         cfg.warps2, st2)
         elif kind == "gemm1":  # (tl.dot, or Gluon: the same tile's constexprs, the layouts instead of the dot's)
             g1 = dict(common, N=g.intermediate_size, UP_FIRST=g.w13_layout == "w13",
