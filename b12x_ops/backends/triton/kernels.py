@@ -760,6 +760,114 @@ def _gemv1_program(
     tl.store(a_ptr + b.to(tl.int64) * N + split_col(offs_n), act, mask=nvalid)
 
 
+@_jit(dns=("S", "stride_xm", "stride_im", "stride_ik", "expert_offset", "x_fp16"), dnsa=("x_ptr", "ids_ptr"))
+def gemv1_stream_kernel(
+    x_ptr, xq_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr,
+    S, stride_xm, stride_im, stride_ik, expert_offset, x_fp16, limit,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr, UP_FIRST: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    XQ: tl.constexpr = False, STAGES: tl.constexpr = 2, PDL: tl.constexpr = False,
+):
+    """``gemv1_kernel``'s work for parts of one K step (``SPLIT`` parts cover K), on a persistent grid:
+    program p takes units (slot, N tile, part) p, p + P, ... (P programs), one loop whose code,
+    scale and x loads are software-pipelined across units (``STAGES``): a unit's copies are in
+    flight while the previous one is decoded and reduced, where one program a unit waits on each."""
+    pdl_start(PDL)
+    NT: tl.constexpr = (N + BN - 1) // BN
+    KH: tl.constexpr = K // 2
+    KS: tl.constexpr = K // 32
+    BKH: tl.constexpr = BK // 2
+    NB: tl.constexpr = BK // 32
+    NQ: tl.constexpr = (KH + 31) // 32
+    tl.static_assert((K + BK - 1) // BK <= SPLIT)
+    j = tl.arange(0, NB)
+    r32 = tl.arange(0, 32)
+    col = tl.arange(0, 16)
+    offs_h = tl.arange(0, BKH)
+    for u in tl.range(tl.program_id(0), S * NT * SPLIT, tl.num_programs(0), num_stages=STAGES):
+        b = u % S
+        rest = u // S
+        part = rest % SPLIT
+        pid_n = rest // SPLIT
+        m = b // TOPK
+        gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(tl.int64)
+        e, ours = local_expert(gid, expert_offset, E)
+        e = tl.where(ours, e, 0)
+        own = (tl.zeros((BN,), dtype=tl.int32) + ours.to(tl.int32)) != 0  # (ours, as a tile mask)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        nvalid = offs_n < N
+        up_rows, gate_rows = _up_gate_rows(offs_n, N, UP_FIRST)
+        up_g, gate_g, gvalid = _w13_groups(w_ptr, e, pid_n, N, NQ, BN, UP_FIRST)
+        gvalid = gvalid & ((tl.zeros((BN // 16,), dtype=tl.int32) + ours.to(tl.int32)) != 0)
+        k0 = part * BK
+        tu = load_repacked(up_g, gvalid, k0 // 64, NQ, BN, BKH)
+        tg = load_repacked(gate_g, gvalid, k0 // 64, NQ, BN, BKH)
+        s_e = s_ptr + e * (2 * N * KS)
+        sm = (nvalid & own)[:, None] & ((k0 // 32 + j) < KS)[None, :]
+        su = tl.load(s_e + up_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
+        sg = tl.load(s_e + gate_rows[:, None] * KS + k0 // 32 + j[None, :], mask=sm, other=0)
+        if XQ:
+            xq_h = xq_ptr + m.to(tl.int64) * K + (32 * (offs_h // 16) + offs_h % 16)[:, None] + 0 * col[None, :]
+            xm = ((k0 // 2 + offs_h) < KH)[:, None] & ((col == 0) & ((col * 0 + ours.to(tl.int32)) != 0))[None, :]
+            xe = tl.load(xq_h + k0, mask=xm, other=0.0).to(DOT_DTYPE)
+            xo = tl.load(xq_h + k0 + 16, mask=xm, other=0.0).to(DOT_DTYPE)
+        else:
+            x_row = x_ptr + m.to(tl.int64) * stride_xm
+            raw = tl.load(x_row + k0 + 32 * j[:, None] + r32[None, :], mask=((k0 + 32 * j) < K)[:, None] & ((r32 * 0 + ours.to(tl.int32)) != 0)[None, :],
+                          other=0)
+            xv = half_bits_to_f32(raw, x_fp16)
+            pow2, inv = mxfp8_block_scale(tl.max(tl.abs(xv), axis=1))
+            xv = mxfp8_apply(xv, pow2[:, None], inv[:, None])
+            xe, xo = tl.split(tl.reshape(xv, (NB, 16, 2)))
+            xe = _column0(tl.reshape(xe, (BKH,)), DOT_DTYPE)
+            xo = _column0(tl.reshape(xo, (BKH,)), DOT_DTYPE)
+        acc_u = _mma_step(tu, su, xe, xo, tl.zeros((BN, 16), dtype=tl.float32), BN, BKH, DOT_DTYPE, PTX, FOLD)
+        acc_g = _mma_step(tg, sg, xe, xo, tl.zeros((BN, 16), dtype=tl.float32), BN, BKH, DOT_DTYPE, PTX, FOLD)
+        up = tl.sum(acc_u, axis=1)  # (columns 1.. are zeros)
+        gate = tl.sum(acc_g, axis=1)
+        tile = b.to(tl.int64) * NT + pid_n
+        if SPLIT > 1:  # this part's sums at its place in the tile's part rows (no handshake here: a
+            # CTA barrier in this loop would stop its loads from being pipelined)
+            rn = tl.arange(0, BN)
+            pp = part_ptr + tile * (SPLIT * 2 * BN) + part * (2 * BN)
+            tl.store(pp + rn, up, mask=own)
+            tl.store(pp + BN + rn, gate, mask=own)
+        else:
+            _gemv1_finish(up, gate, gs_ptr, e, limit, a_ptr, b, offs_n, nvalid & own, N, BN, HAS_GS, HAS_LIMIT)
+    if SPLIT > 1:  # the split-K handshake of every unit this program took, after one barrier
+        tl.debug_barrier()  # every thread's part stores before the counts (the releases cover them)
+        rn = tl.arange(0, BN)
+        for u in range(tl.program_id(0), S * NT * SPLIT, tl.num_programs(0)):
+            b = u % S
+            pid_n = u // S // SPLIT
+            m = b // TOPK
+            gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(tl.int64)
+            e, ours = local_expert(gid, expert_offset, E)
+            if ours:
+                tile = b.to(tl.int64) * NT + pid_n
+                done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+                if done == SPLIT - 1:
+                    up = tl.zeros((BN,), dtype=tl.float32)
+                    gate = tl.zeros((BN,), dtype=tl.float32)
+                    pt = part_ptr + tile * (SPLIT * 2 * BN)
+                    for p in tl.static_range(SPLIT):  # part order: the same bits whichever is last
+                        up += tl.load(pt + p * (2 * BN) + rn, cache_modifier=".cg")
+                        gate += tl.load(pt + p * (2 * BN) + BN + rn, cache_modifier=".cg")
+                    tl.store(cnt_ptr + tile, 0)
+                    offs_n = pid_n * BN + rn
+                    _gemv1_finish(up, gate, gs_ptr, e, limit, a_ptr, b, offs_n, offs_n < N, N, BN, HAS_GS, HAS_LIMIT)
+
+
+@triton.jit
+def _gemv1_finish(up, gate, gs_ptr, e, limit, a_ptr, b, offs_n, nvalid, N: tl.constexpr, BN: tl.constexpr,
+                  HAS_GS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """``dq8(silu(gate) * up)`` of a slot's ``[BN]`` sums into row ``b`` of ``a`` (where ``nvalid``)."""
+    act = _swiglu(up, gate, gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
+    act = tl.reshape(quant_dequant_mxfp8_tile(tl.reshape(act, (1, BN)), 1, BN), (BN,))
+    tl.store(a_ptr + b.to(tl.int64) * N + split_col(offs_n), act, mask=nvalid)
+
+
 @triton.jit
 def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, n_lo, n_hi, N: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr, FOLD: tl.constexpr,
