@@ -367,7 +367,7 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
             ln((m, rn.xquant_tiles, 1), _as(x, I16, ln), a["xq"], m, x.stride(0), x_fp16)
         if "gemm1" in stages:
             ln = rn.gemm1
-            ln((S * rn.n_tiles1 if ln.max_programs is None else min(S * rn.n_tiles1, ln.max_programs), 1, 1),
+            ln((S * rn.n_tiles1, 1, 1),
                _as(x, I16, ln), a["xq"], _as(ids, I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
                a["part1"], a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, x_fp16, state.limit)
         if "gemm2" in stages:

@@ -454,7 +454,6 @@ class Launch:
                             **({"launch_pdl": True} if pdl else {}))
         self.compiled = None
         self.frozen = False
-        self.max_programs = None  # (a persistent kernel's grid cap)
         # every stage kernel declares its constexprs last: a call's full argument list (the launcher
         # takes constexprs too) is then its runtime arguments plus this fixed tail
         names = fn.arg_names
@@ -594,12 +593,6 @@ class GeometryPlans:
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
         self.pdl = pdl_status(g.device)[0] if pdl is None else bool(pdl)
         self.gluon = False if dry else gluon_status(g.device, self.ptx)[0]  # (GLUON_GEMM1)
-        # (an experiment: gemv1 of one-step parts on a persistent grid of PROGRAMS an SM, its loop
-        # STAGES deep: B12X_OPS_TRITON_GEMV_STREAM=PROGRAMS,STAGES)
-        env = os.environ.get("B12X_OPS_TRITON_GEMV_STREAM")
-        self.gemv_stream = tuple(int(v) for v in env.split(",")) if env else None
-        cc = None if dry else _capability(g.device)
-        self.num_sms = torch.cuda.get_device_properties(g.device).multi_processor_count if cc else 132
 
     # ---- per call
     def cap_for(self, m: int) -> int:
@@ -702,11 +695,6 @@ class GeometryPlans:
                 ln = mk(K_.gemv_fused_kernel, dict(gv1, BN1=cfg.bn1, BK1=cfg.bk1, SPLIT1=cfg.split1, BN2=cfg.bn2,
                                                    BK2=cfg.bk2, SPLIT2=cfg.split2, ST1=st1, ST2=st2),
                         cfg.warps1, max(st1, st2), GEMV1_MAXNREG)
-            elif kind == "gemm1" and self.gemv_stream and -(-g.hidden_size // cfg.bk1) <= cfg.split1:
-                ln = mk(K_.gemv1_stream_kernel, dict(gv1, BN=cfg.bn1, BK=cfg.bk1, SPLIT=cfg.split1, XQ=cfg.xq,
-                                                     STAGES=self.gemv_stream[1]),
-                        cfg.warps1, self.gemv_stream[1], None if cfg.xq else GEMV1_MAXNREG)
-                ln.max_programs = self.gemv_stream[0] * self.num_sms
             elif kind == "gemm1":
                 ln = mk(K_.gemv1_kernel, dict(gv1, BN=cfg.bn1, BK=cfg.bk1, SPLIT=cfg.split1, XQ=cfg.xq, STAGES=st1),
                         cfg.warps1, st1, None if cfg.xq else GEMV1_MAXNREG)
