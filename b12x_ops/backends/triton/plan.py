@@ -810,10 +810,10 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 13, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 14, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 13 the tuner's totals with routing and finalize, timed from a cold L2; 12 GEMM2's 128-row
-    # tile; 11 the half tiles)
+    # (the version: 14 block sizes and the GEMV path compared by the whole call's time; 13 the tuner's totals
+    # with routing and finalize, timed from a cold L2; 12 GEMM2's 128-row tile; 11 the half tiles)
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
 
