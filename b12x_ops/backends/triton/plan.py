@@ -299,6 +299,18 @@ _GEMV2_PROGRAMS = 600
 # in every gemv1 program (H200, three geometries: 5-8 % faster at M = 4; at M = 1-2 the launch costs
 # about what it saves, within -3 % / +5 %; ``benchmarks/NOTES.md``).
 GEMV_XQ_TOKENS = 3
+# ... and from 2 tokens on where N is so wide that every slot's x would be quantized again in each of
+# its many 64-column gemv1 tiles (gpt-oss: 45 tiles against Qwen3's 12 and DSv4's 9): H200, gpt-oss
+# M = 2 58.4 -> 53.7 us, the tuner's pick there in two tuned runs (``benchmarks/NOTES.md``); the
+# tuner kept x on the fly at M = 2 for Qwen3 and DSv4.
+GEMV_XQ_WIDE_N = 2048
+
+
+def gemv_quantizes_x_first(tokens: int, geometry) -> bool:
+    """Whether the default GEMV plan for ``tokens`` quantizes x in a launch of its own before gemv1."""
+    return tokens >= GEMV_XQ_TOKENS or (tokens >= 2 and geometry.intermediate_size >= GEMV_XQ_WIDE_N)
+
+
 # gemv1 quantizing x itself (fewer than ``GEMV_XQ_TOKENS`` tokens) compiles to 130-160 registers a
 # thread, which leaves an SM three 4-warp programs; capped at 128 it gets four (at 2 tokens with a
 # few spills). H200, whole op (``benchmarks/experiments/maxreg.py ... gemv``): M = 1 gpt-oss 40.2 ->
@@ -374,7 +386,7 @@ def gemv_config(tokens: int, geometry) -> Config:
     """The default GEMV tiles (64 rows a program, H200 sweeps ``results/sweep_gemv_steps.md`` and
     ``results/sweep_gemv_defaults.md``):
 
-    - gemv1 quantizing x itself (below ``GEMV_XQ_TOKENS`` tokens): 256-element K steps, one a
+    - gemv1 quantizing x itself (``gemv_quantizes_x_first`` false): 256-element K steps, one a
       program while that keeps the programs under about ``_GEMV1_PROGRAMS``;
     - gemv1 after x's own quantizing launch: 128-element steps, about 4 a program, 3 stages;
     - gemv2: one slot a program, 256-element N steps (128 where a 256 step would leave more than an
@@ -382,7 +394,7 @@ def gemv_config(tokens: int, geometry) -> Config:
       keeps the programs under ``_GEMV2_PROGRAMS``."""
     g = geometry
     slots = tokens * g.top_k
-    xq = tokens >= GEMV_XQ_TOKENS
+    xq = gemv_quantizes_x_first(tokens, g)
     bk1 = 128 if xq else 256
     steps1 = -(-g.hidden_size // bk1)
     cap1 = -(-_GEMV1_PROGRAMS // (slots * -(-g.intermediate_size // 64)))
