@@ -200,29 +200,26 @@ if GK.HAS_GLUON:
         return (acc,)
 
 
-_MAXNREG = [None]
-
-
 def use(maxnreg: int):
     """Make the package's plans launch ``gemm2_ws_kernel`` wherever they would launch the Gluon GEMM2,
-    compiled with ``maxnreg`` registers a thread (a warp-specialized kernel assumes 256 without one)."""
+    compiled with ``maxnreg`` registers a thread (a warp-specialized kernel assumes 256 without one).
+    Returns the function that undoes it."""
     from b12x_ops.backends.triton import plan as P
 
-    GK.gemm2_gluon_kernel = gemm2_ws_kernel
-    if _MAXNREG[0] is None:  # (patched once; the cap read at each launch's construction)
-        real = P.Launch.__init__
+    original, real = GK.gemm2_gluon_kernel, P.Launch.__init__
 
-        def init(self, fn, constexprs, num_warps, num_stages, maxnreg_=None, pdl=False):
-            cap = _MAXNREG[0] if fn is gemm2_ws_kernel else maxnreg_
-            real(self, fn, constexprs, num_warps, num_stages, cap, pdl)
+    def init(self, fn, constexprs, num_warps, num_stages, maxnreg_=None, pdl=False):
+        real(self, fn, constexprs, num_warps, num_stages, maxnreg if fn is gemm2_ws_kernel else maxnreg_, pdl)
 
-        P.Launch.__init__ = init
-    _MAXNREG[0] = maxnreg
+    GK.gemm2_gluon_kernel, P.Launch.__init__ = gemm2_ws_kernel, init
+
+    def undo():
+        GK.gemm2_gluon_kernel, P.Launch.__init__ = original, real
+
+    return undo
 
 
 def main():
-    import torch
-
     from b12x_ops.backends.triton import _launch_all
     from b12x_ops.backends.triton import plan as P
     from bench_moe import experiment_points, graph_time
@@ -231,7 +228,6 @@ def main():
     sizes = [int(m) for m in sys.argv[2].split(",")]
     forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [
         (128, 64, 4, 168)]
-    original = GK.gemm2_gluon_kernel
     for name, hs, M, (xs, idss, wss, outs) in experiment_points(names, sizes):
         st = hs[0]._state
         gp = st.plans
@@ -246,38 +242,47 @@ def main():
                               reps=20) * 1e6
 
         print(f"  the plan's GEMM2: {stage_us(base):.1f} us", flush=True)
-        for ws in (False, True):
+        for ws in (False, True) if GK.HAS_GLUON else (False,):
             for bn, bk, stages, maxnreg in forms:
-                GK.gemm2_gluon_kernel = gemm2_ws_kernel if ws else original
                 for k in [k for k in gp.launches if k[0] == "gemm2_gluon"]:
                     del gp.launches[k]
-                if ws:
-                    use(maxnreg)
-                cfg = dataclasses.replace(base, gluon2=True, bn2=bn, bk2=bk, stages2=stages)
-                label = f"{'warp-specialized' if ws else 'package Gluon'} GEMM2 bn {bn} bk {bk} st {stages}" + (
-                    f" maxnreg {maxnreg}" if ws else "")
+                undo = use(maxnreg) if ws else (lambda: None)
                 try:
-                    same = ""
-                    if M <= gp.slot_chunk:
-                        tlc = dataclasses.replace(base, gluon2=False, bn2=bn, bk2=bk, warps2=bn // 32, stages2=2,
-                                                  atomic=False)
-                        gp.arena.buffers["slots"].zero_()
-                        _launch_all(st, tlc, xs[0], idss[0], wss[0], outs[0], stages=("gemm2",))
-                        want = gp.arena.buffers["slots"].clone()
-                        gp.arena.buffers["slots"].zero_()
-                        _launch_all(st, dataclasses.replace(cfg, atomic=False), xs[0], idss[0], wss[0], outs[0],
-                                    stages=("gemm2",))
-                        torch.cuda.synchronize()
-                        diff = (gp.arena.buffers["slots"] != want).sum().item()
-                        same = "; bit-identical to tl.dot" if diff == 0 else f"; {diff} values differ from tl.dot"
-                    t = stage_us(cfg)
-                    ck = gp.stages(cfg, M)[2].compiled
-                    print(f"  {label}: {t:.1f} us{same}; {getattr(ck, 'n_regs', '?')} regs, "
-                          f"{getattr(ck, 'n_spills', '?')} spills, {ck.metadata.shared} B shared", flush=True)
-                except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
-                    print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
-        GK.gemm2_gluon_kernel = original
+                    _time_form(st, gp, base, M, xs, idss, wss, outs, stage_us, ws, bn, bk, stages, maxnreg)
+                finally:
+                    undo()
+                    for k in [k for k in gp.launches if k[0] == "gemm2_gluon"]:
+                        del gp.launches[k]
 
+
+def _time_form(st, gp, base, M, xs, idss, wss, outs, stage_us, ws, bn, bk, stages, maxnreg):
+    """One form's line: its bits against the tl.dot GEMM2 of its tile (where calls are not chunked),
+    its stage time, registers and shared memory."""
+    import torch
+
+    from b12x_ops.backends.triton import _launch_all
+
+    cfg = dataclasses.replace(base, gluon2=True, bn2=bn, bk2=bk, stages2=stages)
+    label = f"{'warp-specialized' if ws else 'package Gluon'} GEMM2 bn {bn} bk {bk} st {stages}" + (
+        f" maxnreg {maxnreg}" if ws else "")
+    try:
+        same = ""
+        if M <= gp.slot_chunk:
+            tlc = dataclasses.replace(base, gluon2=False, bn2=bn, bk2=bk, warps2=bn // 32, stages2=2, atomic=False)
+            gp.arena.buffers["slots"].zero_()
+            _launch_all(st, tlc, xs[0], idss[0], wss[0], outs[0], stages=("gemm2",))
+            want = gp.arena.buffers["slots"].clone()
+            gp.arena.buffers["slots"].zero_()
+            _launch_all(st, dataclasses.replace(cfg, atomic=False), xs[0], idss[0], wss[0], outs[0], stages=("gemm2",))
+            torch.cuda.synchronize()
+            diff = (gp.arena.buffers["slots"] != want).sum().item()
+            same = "; bit-identical to tl.dot" if diff == 0 else f"; {diff} values differ from tl.dot"
+        t = stage_us(cfg)
+        ck = gp.stages(cfg, M)[2].compiled
+        print(f"  {label}: {t:.1f} us{same}; {getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} "
+              f"spills, {ck.metadata.shared} B shared", flush=True)
+    except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
+        print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
 
 if __name__ == "__main__":
     main()
