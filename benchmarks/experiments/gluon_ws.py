@@ -50,6 +50,8 @@ if GK.HAS_GLUON:
     # the producer warp's registers (its partition is allocated a warpgroup's worth: 4 x 32 x this);
     # with ``maxnreg`` 168 and 8 consumer warps that leaves the consumers 208 a thread
     PRODUCER_REGS = gl.constexpr(88)
+    # the producer's warps: its partition gets a warpgroup's registers either way
+    PRODUCER_WARPS = gl.constexpr(int(os.environ.get("GLUON_WS_PRODUCER_WARPS", "1")))
 
     @gluon.jit(do_not_specialize=("nblocks",))
     def gemm2_ws_kernel(
@@ -81,7 +83,7 @@ if GK.HAS_GLUON:
                             gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
             f = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             m_ = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(f, count=32)  # (the producer warp's 32 threads, each once its copies land)
+            mbarrier.init(f, count=32 * PRODUCER_WARPS)  # (each producer thread once its copies land)
             mbarrier.init(m_, count=1)
             full = full + (f,)
             empty = empty + (m_,)
@@ -89,7 +91,7 @@ if GK.HAS_GLUON:
             (_consumers, (ring, full, empty, pid_n, e, s_ptr, K, N, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7,
                           s5_l)),
             (_producer, (ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, K, N, BM, BN, BK, STAGES)),
-        ], [1], [PRODUCER_REGS])[0]
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])[0]
         # epilogue (kernels._reduce_rows), in the accumulator's layout
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         rvalid = offs_m < nrow
@@ -108,7 +110,7 @@ if GK.HAS_GLUON:
     @gluon.jit
     def _producer(ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, K: gl.constexpr, N: gl.constexpr,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: each step's codes and activation rows into its ring buffers, once they are free."""
+        """``PRODUCER_WARPS`` warps: each step's codes and activation rows into its ring buffers, once free."""
         G: gl.constexpr = BN // 16
         Q: gl.constexpr = BK // 64
         BKH: gl.constexpr = BK // 2
@@ -116,8 +118,8 @@ if GK.HAS_GLUON:
         NQ: gl.constexpr = (KH + 31) // 32
         NSTEP: gl.constexpr = (N + BK - 1) // BK
         # (this warp's own layouts: 16 contiguous bytes a thread)
-        pc_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [1, 1, 1, 1], [3, 2, 1, 0])
-        px_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+        pc_l: gl.constexpr = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [PRODUCER_WARPS, 1, 1, 1], [3, 2, 1, 0])
+        px_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [PRODUCER_WARPS, 1], [1, 0])
         g_c = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, pc_l))))
         q_c = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, pc_l))))
         l_c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, pc_l))))
