@@ -43,7 +43,7 @@ if GK.HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from b12x_ops.backends.triton.gluon_kernels import _cp_async, _tile_index, _to_operand
+    from b12x_ops.backends.triton.gluon_kernels import _cp_async, _gemm2_epilogue, _tile_index, _to_operand
     from b12x_ops.backends.triton.kernels import _block_tile
     from b12x_ops.backends.triton.mxtl import _DECODE_PTX, _DECODE_PTX_FOLD
 
@@ -92,20 +92,8 @@ if GK.HAS_GLUON:
                           s5_l)),
             (_producer, (ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, K, N, BM, BN, BK, STAGES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])[0]
-        # epilogue (kernels._reduce_rows), in the accumulator's layout
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-        rvalid = offs_m < nrow
-        slot = gl.load(sorted_ptr + pid_m * BM + offs_m, mask=rvalid, other=0)
-        offs_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-        if HAS_GS:
-            acc = acc * gl.load(gs_ptr + e)
-        acc = acc * gl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]
-        msk = (offs_o < K)[:, None] & rvalid[None, :]
-        if ATOMIC:
-            tok = (slot // TOPK).to(gl.int64)
-            gl.atomic_add(dst_ptr + tok[None, :] * K + offs_o[:, None], acc, mask=msk, sem="relaxed")
-        else:
-            gl.store(dst_ptr + slot.to(gl.int64)[None, :] * K + offs_o[:, None], acc, mask=msk)
+        _gemm2_epilogue(acc, pid_m * BM, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
+                        BM, BN, mma)
 
     @gluon.jit
     def _producer(ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, K: gl.constexpr, N: gl.constexpr,

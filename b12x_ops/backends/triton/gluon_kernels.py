@@ -388,10 +388,19 @@ if HAS_GLUON:
         s_row = s_ptr + e.to(gl.int64) * (K * NS) + r_s * NS
         acc = _mainloop(w_g, (pid_n * BN + 16 * g_c) < K, s_row, r_s < K, x_rows, offs_r < nrow, N, BN, BM, BK,
                         STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
-        # epilogue (kernels._reduce_rows), in the accumulator's layout
+        _gemm2_epilogue(acc, pid_m * BLK, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
+                        BM, BN, mma)
+
+    @gluon.jit
+    def _gemm2_epilogue(acc, row0, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr,
+                        TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr, BM: gl.constexpr,
+                        BN: gl.constexpr, mma: gl.constexpr):
+        """GEMM2's epilogue (``kernels._reduce_rows``) in the accumulator's layout: the ``[BN, BM]`` tile of
+        the block's rows from ``row0`` (``nrow`` real) times the global scale and the router weights,
+        added into the fp32 ``[M, K]`` accumulator (ATOMIC) or stored in the slots' rows."""
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
         rvalid = offs_m < nrow
-        slot = gl.load(sorted_ptr + pid_m * BLK + offs_m, mask=rvalid, other=0)
+        slot = gl.load(sorted_ptr + row0 + offs_m, mask=rvalid, other=0)
         offs_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         if HAS_GS:
             acc = acc * gl.load(gs_ptr + e)
