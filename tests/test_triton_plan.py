@@ -67,21 +67,25 @@ def test_gemv_defaults_are_valid_and_among_the_candidates(name, tokens):
     for c in cands:
         check_gemv1(g, c.tiles1())
         check_gemv2(g, c.tiles2())
-    # x is quantized once, by a launch of its own, from a few tokens on; the tuner times both ways
-    assert cfg.xq == (tokens >= P.GEMV_XQ_TOKENS)
+    # x is quantized once, by a launch of its own, from a few tokens on (from 2 where N is wide: its
+    # many column tiles would each quantize it again); the tuner times both ways
+    assert cfg.xq == P.gemv_quantizes_x_first(tokens, g)
+    assert cfg.xq == (tokens >= P.GEMV_XQ_TOKENS or (tokens == 2 and g.intermediate_size >= P.GEMV_XQ_WIDE_N))
     assert {c.xq for c in cands} == {False, True}
     assert all(P.Config.of(1, c.tiles1(), c.tiles2(), False, gemv=True) == c for c in cands)
 
 
 def test_gemv_defaults_on_the_benchmark_layers():
-    """The tiles the H200 sweeps chose (results/sweep_gemv_steps.md, sweep_gemv_defaults.md):
-    gpt-oss at 1-2 tokens one 256-element K step a gemv1 program, at 4 tokens four 128-element
-    steps; gemv2 in 256-element N steps, runs of 4 at one token; fewer, longer programs as the
-    tokens grow."""
+    """The tiles the H200 sweeps and tuned runs chose (results/sweep_gemv_steps.md,
+    sweep_gemv_defaults.md, NOTES): gpt-oss at one token one 256-element K step a gemv1 program, from
+    2 tokens x quantized first and four 128-element steps (Qwen3 and DSv4 from 3); gemv2 in
+    256-element N steps, runs of 4 at one token; fewer, longer programs as the tokens grow."""
     g = geometry(*GEOS["gpt-oss-120b"])
-    assert P.gemv_config(1, g).tiles1() == (64, 256, 4, 1, 12)
-    assert P.gemv_config(2, g).tiles1() == (64, 256, 4, 1, 12)  # (one step a program under 4800 programs)
-    assert P.gemv_config(4, g).tiles1() == (64, 128, 4, 3, 6, True)  # (x quantized first: 4 steps of 128, 3 stages)
+    assert P.gemv_config(1, g).tiles1() == (64, 256, 4, 1, 12)  # (one step a program under 4800 programs)
+    assert P.gemv_config(2, g).tiles1() == (64, 128, 4, 3, 6, True)  # (x quantized first: 4 steps of 128, 3 stages)
+    assert P.gemv_config(4, g).tiles1() == (64, 128, 4, 3, 6, True)
+    qwen3 = geometry(128, 2048, 768, 8)
+    assert P.gemv_config(2, qwen3).tiles1() == (64, 256, 4, 1, 8) and P.gemv_config(3, qwen3).xq
     assert P.gemv_config(1, g).tiles2() == (64, 256, 4, 3, 12)
     assert P.gemv_config(4, g).tiles2() == (64, 256, 4, 3, 4)
     # gemv2's 256-element steps only where their masked tail is at most an eighth of N
