@@ -13,6 +13,10 @@ two partitions instead of one:
   ``full``, decode the codes into the wgmma's register operand, issue the step's two MMAs, and once a
   wait covers the previous step's MMAs, arrive on its ``empty`` barrier.
 
+Two forms are written and compile-checked for sm_90 but not yet run: ``GLUON_WS_PRODUCER_WARPS=4``
+(the producer's whole warpgroup issues the copies) and ``GLUON_WS_ACT_TMA=1`` (the activation rows by
+two TMA copies a step from a device-side descriptor; ``ACT_TMA`` says what it assumes).
+
 Where the package's kernel meets every step at a CTA barrier (a warp waits for the slowest before
 it may refill a buffer, and issues its own share of the copies), here a consumer warp waits only
 for its data. The K loop runs over whole rings (steps past the reduction are copied as zeros and
@@ -40,7 +44,7 @@ if GK.HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
     from b12x_ops.backends.triton.gluon_kernels import _cp_async, _gemm2_epilogue, _tile_index, _to_operand
@@ -52,6 +56,11 @@ if GK.HAS_GLUON:
     PRODUCER_REGS = gl.constexpr(88)
     # the producer's warps: its partition gets a warpgroup's registers either way
     PRODUCER_WARPS = gl.constexpr(int(os.environ.get("GLUON_WS_PRODUCER_WARPS", "1")))
+    # the activation rows by TMA (two copies a step, a device-side descriptor) instead of cp.async:
+    # a [BK / 32, BM, 16] box of the rows seen as [N / 32 chunks, rows, 32], whose 32-byte-swizzled
+    # image is assumed to be the [BM, BK / 2] operand tile's 32-byte-swizzled NVMMA layout (column
+    # blocks of 16 elements, one after the other). Not yet run: the bits against tl.dot say.
+    ACT_TMA = gl.constexpr(os.environ.get("GLUON_WS_ACT_TMA", "0") == "1")
 
     @gluon.jit(do_not_specialize=("nblocks",))
     def gemm2_ws_kernel(
@@ -73,30 +82,37 @@ if GK.HAS_GLUON:
         BKH: gl.constexpr = BK // 2
         gl.static_assert(STAGES % 2 == 0)
         x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
+        x3_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=3)
         c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         ring = ()
         full = ()
         empty = ()
         for i0 in gl.static_range(STAGES):
-            ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
-                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
-                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
+            if ACT_TMA:
+                ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
+                                gl.allocate_shared_memory(gl.bfloat16, [BK // 32, BM, 16], x3_sl),
+                                gl.allocate_shared_memory(gl.bfloat16, [BK // 32, BM, 16], x3_sl)),)
+            else:
+                ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
+                                gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
+                                gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
             f = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             m_ = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(f, count=32 * PRODUCER_WARPS)  # (each producer thread once its copies land)
+            # (each producer thread once its copies land; with ACT_TMA also the TMA's expect-tx arrival)
+            mbarrier.init(f, count=32 * PRODUCER_WARPS + (1 if ACT_TMA else 0))
             mbarrier.init(m_, count=1)
             full = full + (f,)
             empty = empty + (m_,)
         acc = gl.warp_specialize([
             (_consumers, (ring, full, empty, pid_n, e, s_ptr, K, N, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7,
                           s5_l)),
-            (_producer, (ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, K, N, BM, BN, BK, STAGES)),
+            (_producer, (ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, nblocks, K, N, BM, BN, BK, STAGES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])[0]
         _gemm2_epilogue(acc, pid_m * BM, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
                         BM, BN, mma)
 
     @gluon.jit
-    def _producer(ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, K: gl.constexpr, N: gl.constexpr,
+    def _producer(ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, nblocks, K: gl.constexpr, N: gl.constexpr,
                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
         """``PRODUCER_WARPS`` warps: each step's codes and activation rows into its ring buffers, once free."""
         G: gl.constexpr = BN // 16
@@ -122,14 +138,22 @@ if GK.HAS_GLUON:
         x_rows = a_ptr + (pid_m * BM + offs_r).to(gl.int64)[:, None] * N \
             + (32 * (offs_h // 16) + offs_h % 16)[None, :]
         rvalid = offs_r < nrow
+        if ACT_TMA:  # (rows past the block's real ones are read as they are: only their own columns use them)
+            x3_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=3)
+            desc = tma.make_tensor_descriptor(a_ptr, [N // 32, nblocks * BM, 32], [32, N, 1], [BK // 32, BM, 16], x3_sl)
         for kk in range((NSTEP + STAGES - 1) // STAGES):
             for s in gl.static_range(STAGES):
                 kd = (kk * STAGES + s) * BK
                 mbarrier.wait(empty[s], (kk & 1) ^ 1)  # (a fresh barrier's phase 1 is complete: no wait)
                 bufs = ring[s]
-                xm = rvalid[:, None] & ((kd // 2 + offs_h) < KH)[None, :]
-                _cp_async(bufs[1], x_rows + kd, mask=xm)
-                _cp_async(bufs[2], x_rows + kd + 16, mask=xm)
+                if ACT_TMA:  # (chunks past N are out of the box: zeros, their bytes counted all the same)
+                    mbarrier.expect(full[s], 2 * BM * BKH * 2)
+                    tma.async_copy_global_to_shared(desc, [kd // 32, pid_m * BM, 0], full[s], bufs[1])
+                    tma.async_copy_global_to_shared(desc, [kd // 32, pid_m * BM, 16], full[s], bufs[2])
+                else:
+                    xm = rvalid[:, None] & ((kd // 2 + offs_h) < KH)[None, :]
+                    _cp_async(bufs[1], x_rows + kd, mask=xm)
+                    _cp_async(bufs[2], x_rows + kd + 16, mask=xm)
                 _cp_async(bufs[0], c_src + (kd // 64) * 512, mask=c_ok & ((kd // 64 + q_c) < NQ)[None, :, None, None])
                 async_copy.mbarrier_arrive(full[s], increment_count=False)
 
@@ -156,6 +180,7 @@ if GK.HAS_GLUON:
         we_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
         wo_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
         ASM: gl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
+        X2_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
         for kk in range((NSTEP + STAGES - 1) // STAGES):
             for s in gl.static_range(STAGES):
                 k0 = (kk * STAGES + s) * BK
@@ -176,8 +201,14 @@ if GK.HAS_GLUON:
                 wo = gl.convert_layout(wo, a_l, assert_trivial=True)
                 kn = k0 + BK
                 sb = gl.load(s_src + kn // 32 + sblk, mask=s_ok & ((kn // 32 + sblk) < NS), other=0).to(gl.int32)
-                acc = warpgroup_mma(we, bufs[1].permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma(wo, bufs[2].permute((1, 0)), acc, is_async=True)
+                if ACT_TMA:
+                    xe = bufs[1]._reinterpret(gl.bfloat16, [BM, BKH], X2_SL)
+                    xo = bufs[2]._reinterpret(gl.bfloat16, [BM, BKH], X2_SL)
+                else:
+                    xe = bufs[1]
+                    xo = bufs[2]
+                acc = warpgroup_mma(we, xe.permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(wo, xo.permute((1, 0)), acc, is_async=True)
                 if s % 2 == 1:
                     we_b, wo_b = we, wo
                 else:
@@ -216,6 +247,11 @@ def main():
 
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
+    if GK.HAS_GLUON and ACT_TMA.value:  # (a device-side TMA descriptor lives in global scratch memory)
+        import torch
+        import triton
+
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [
         (128, 64, 4, 168)]
     for name, hs, M, (xs, idss, wss, outs) in experiment_points(names, sizes):
