@@ -133,14 +133,15 @@ if GK.HAS_GLUON:
                  + b_c[None, None, None, :])
         c_ok = ((pid_n * BN + 16 * g_c) < K)[:, None, None, None] & (l_c >= 0)[None, None, :, None] \
             & (b_c >= 0)[None, None, None, :]
-        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, px_l))
-        offs_h = gl.arange(0, BKH, layout=gl.SliceLayout(0, px_l))
-        x_rows = a_ptr + (pid_m * BM + offs_r).to(gl.int64)[:, None] * N \
-            + (32 * (offs_h // 16) + offs_h % 16)[None, :]
-        rvalid = offs_r < nrow
         if ACT_TMA:  # (rows past the block's real ones are read as they are: only their own columns use them)
             x3_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=3)
             desc = tma.make_tensor_descriptor(a_ptr, [N // 32, nblocks * BM, 32], [32, N, 1], [BK // 32, BM, 16], x3_sl)
+        else:
+            offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, px_l))
+            offs_h = gl.arange(0, BKH, layout=gl.SliceLayout(0, px_l))
+            x_rows = a_ptr + (pid_m * BM + offs_r).to(gl.int64)[:, None] * N \
+                + (32 * (offs_h // 16) + offs_h % 16)[None, :]
+            rvalid = offs_r < nrow
         for kk in range((NSTEP + STAGES - 1) // STAGES):
             for s in gl.static_range(STAGES):
                 kd = (kk * STAGES + s) * BK
@@ -270,12 +271,10 @@ def main():
         print(f"  the plan's GEMM2: {stage_us(base):.1f} us", flush=True)
         for ws in (False, True) if GK.HAS_GLUON else (False,):
             for bn, bk, stages, maxnreg in forms:
-                for k in [k for k in gp.launches if k[0] == "gemm2_gluon"]:
-                    del gp.launches[k]
                 undo = use(maxnreg) if ws else (lambda: None)
                 try:
                     _time_form(st, gp, base, M, xs, idss, wss, outs, stage_us, ws, bn, bk, stages, maxnreg)
-                finally:
+                finally:  # (the next form compiles its own Gluon GEMM2 launch: the kernels differ, the keys not)
                     undo()
                     for k in [k for k in gp.launches if k[0] == "gemm2_gluon"]:
                         del gp.launches[k]
@@ -309,6 +308,7 @@ def _time_form(st, gp, base, M, xs, idss, wss, outs, stage_us, ws, bn, bk, stage
               f"spills, {ck.metadata.shared} B shared", flush=True)
     except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
         print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -345,6 +345,9 @@ def _as(t, dtype, ln):
     return t if ln.compiled is not None else t.view(dtype)
 
 
+_I16, _I32 = torch.int16, torch.int32  # (the words the kernels read x, out, ids and weights as: ``_as``)
+
+
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
     """Launch ``stages`` of ``cfg`` (tests, the tuner and the benchmark's diagnosis; calls go
     through ``run``)."""
@@ -356,7 +359,6 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     m = x.shape[0]
     cfg = rn.cfg
     S = m * state.plans.geometry.top_k
-    I16, I32 = torch.int16, torch.int32  # (the words the kernels read x, out, ids and weights as: ``_as``)
     if cfg.gemv:  # one launch (fused), two, or three with x quantized first; no routing pass (kernels.gemv1_kernel)
         ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         x_fp16 = int(x.dtype == torch.float16)
@@ -364,23 +366,23 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
             if "gemm1" in stages:
                 ln = rn.gemm1
                 ln((rn.fused_programs(m, state.plans.geometry.top_k), 1, 1),
-                   _as(x, I16, ln), _as(ids, I32, ln), _as(w, I16, ln), state.w13, state.w13_scale, state.g13,
-                   state.w2, state.w2_scale, state.g2, a["act"], _as(out, I16, ln), a["part1"], a["cnt1"], a["part2"],
+                   _as(x, _I16, ln), _as(ids, _I32, ln), _as(w, _I16, ln), state.w13, state.w13_scale, state.g13,
+                   state.w2, state.w2_scale, state.g2, a["act"], _as(out, _I16, ln), a["part1"], a["cnt1"], a["part2"],
                    a["cnt2"], a["sync"], m, x.stride(0), si0, si1, sw0, sw1, state.expert_offset, x_fp16, w_kind,
                    out.stride(0), int(out.dtype == torch.float16), state.limit)
             return
         if cfg.xq and "prologue" in stages:
             ln = rn.prologue
-            ln((m, rn.xquant_tiles, 1), _as(x, I16, ln), a["xq"], m, x.stride(0), x_fp16)
+            ln((m, rn.xquant_tiles, 1), _as(x, _I16, ln), a["xq"], m, x.stride(0), x_fp16)
         if "gemm1" in stages:
             ln = rn.gemm1
             ln((S * rn.n_tiles1, 1, 1),
-               _as(x, I16, ln), a["xq"], _as(ids, I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
+               _as(x, _I16, ln), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
                a["part1"], a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, x_fp16, state.limit)
         if "gemm2" in stages:
             ln = rn.gemm2
             ln((m * rn.n_tiles2, 1, 1),
-               a["act"], _as(ids, I32, ln), _as(w, I16, ln), state.w2, state.w2_scale, state.g2, _as(out, I16, ln),
+               a["act"], _as(ids, _I32, ln), _as(w, _I16, ln), state.w2, state.w2_scale, state.g2, _as(out, _I16, ln),
                a["part2"], a["cnt2"], m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
                int(out.dtype == torch.float16))
         return
@@ -391,7 +393,7 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
         ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         ln = rn.prologue
         ln((rn.prologue_programs(m, state.plans.geometry.top_k), 1, 1),
-           _as(ids, I32, ln), _as(w, I16, ln), _as(x, I16, ln), xq, a["acc"], a["lid"], a["wts"], a["sorted"],
+           _as(ids, _I32, ln), _as(w, _I16, ln), _as(x, _I16, ln), xq, a["acc"], a["lid"], a["wts"], a["sorted"],
            a["blk_expert"], a["blk_rows"], a["route_cnt"], a["route_key"], a["route_off"], m, si0, si1, sw0, sw1,
            x.stride(0), state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
     if "gemm1" in stages:
@@ -406,7 +408,7 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     if "finalize" in stages:
         ln = rn.finalize
         ln((-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
-           dst, a["lid"], _as(out, I16, ln), m, out.stride(0), int(out.dtype == torch.float16))
+           dst, a["lid"], _as(out, _I16, ln), m, out.stride(0), int(out.dtype == torch.float16))
 
 
 def scratch_estimate(geometry, capacities, gemv=None) -> int:
