@@ -215,8 +215,8 @@ def main():
             a = gp.arena.buffers
             S = M * geo["top_k"]
             N = geo["N"]
-            part = torch.empty(S * 4 * N * (geo["K"] // 64), device="cuda", dtype=torch.float32)
-            cnt = torch.zeros(S * N, device="cuda", dtype=torch.int32)
+            part = torch.empty(S * 4 * N * (geo["K"] // 64), device=xs[0].device, dtype=torch.float32)
+            cnt = torch.zeros(S * N, device=xs[0].device, dtype=torch.int32)
             print(f"{name} M={M}: plan gemv1 {(base.bn1, base.bk1, base.warps1, base.stages1, base.split1)} "
                   f"xq {base.xq}", flush=True)
 
@@ -257,7 +257,7 @@ def main():
                           f"{getattr(ck, 'n_spills', '?')} spills", flush=True)
                 except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
                     print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-600:]}", flush=True)
-        del hs
+        hs = None  # (let the geometry's handles go before the next)
         torch.cuda.empty_cache()
 
 
