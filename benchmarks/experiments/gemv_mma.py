@@ -17,13 +17,19 @@ registers, so here:
 * the epilogue adds the parts in part order (the split-K handshake of ``kernels._last_of_split``),
   then SwiGLU and the MXFP8 quant-dequant of the activations, as the package's gemv1.
 
+``gemv2_mma_kernel`` is gemv2 in the same form: a program (token, tile of ``BN`` outputs, slot j, run of
+``Q`` chunks of its activation row) adds ``wts * dq8(a) @ W2[e_j]^T`` of its run; the last of a tile's
+programs adds them in (slot, run) order and writes the output row.
+
 Run on a GPU (Gluon does not run in Triton's interpreter):
 
-    python benchmarks/experiments/gemv_mma.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2 64/4/4,64/2/4,32/4/2
+    python benchmarks/experiments/gemv_mma.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2,4 \
+        64/2/4,64/1/4,32/4/4 64/2/4,64/4/4
 
-A form is ``BN/KP chunks/warps``. Each line: the form's gemv1 alone (x's quantizing launch included)
-and the whole op with it (xquant, this gemv1, the plan's gemv2), us per layer from CUDA-graph replay
-over 4 layers, against the plan's; its activations against the plan's gemv1's.
+Forms are ``BN/Q/warps``, gemv1's then gemv2's. Each line: a form's kernel alone (gemv1 with x's
+quantizing launch) and the whole op with it (gemv1 forms with the plan's gemv2; gemv2 forms with the
+fastest gemv1 form), us per layer from CUDA-graph replay over 4 layers, against the plan's; its
+activations (output) against the plan's gemv1's (whole op's).
 """
 
 from __future__ import annotations
@@ -60,6 +66,77 @@ if GK.HAS_GLUON:
                     s5_l=gl.SliceLayout(4, gl.SliceLayout(6, p7)),
                     q_l=gl.BlockedLayout([1, 1], [1, 32], [nw, 1], [1, 0]))
 
+    def mma_layouts2(nw: int) -> dict:
+        """gemv2's: ``mma_layouts`` less ``q_l``, with ``o_l`` the epilogue's ``[BN]``."""
+        lay = mma_layouts(nw)
+        del lay["q_l"]
+        return dict(lay, o_l=gl.BlockedLayout([1], [32], [nw], [0]))
+
+    @gluon.jit
+    def _chunk_mma(codes, scales, xe, xo, acc, R: gl.constexpr, FOLD: gl.constexpr, a_l: gl.constexpr,
+                   p7: gl.constexpr):
+        """One 64-element chunk: its ``[G, 1, 32, 16]`` codes decoded with their scale bytes into the
+        A fragments in place, then the two MMAs (even elements, odd elements) into ``acc``."""
+        G: gl.constexpr = R // 16
+        t = _to_operand(codes, G, 1, R, 32)
+        sb = scales.to(gl.int32)
+        if FOLD:
+            sb = sb + 126
+        sc = (sb << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # mxtl._ptx_scales
+        sc = gl.expand_dims(gl.expand_dims(sc, 4), 6)
+        sc = gl.broadcast(sc, gl.full([G, 1, 32, 2, 2, 2, 2], 0, gl.bfloat16, layout=p7))[0]
+        sc = _to_operand(gl.reshape(sc, (G, 1, 32, 16)), G, 1, R, 32)
+        sc = gl.convert_layout(sc, t.type.layout, assert_trivial=True)
+        asm: gl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
+        we, wo = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [t, sc], dtype=(gl.bfloat16, gl.bfloat16),
+                                           is_pure=True, pack=4)
+        acc = mma_v2(gl.convert_layout(we, a_l, assert_trivial=True), xe, acc)
+        return mma_v2(gl.convert_layout(wo, a_l, assert_trivial=True), xo, acc)
+
+    @gluon.jit
+    def _row_operands(w_e, s_e, grow_c, gok_c, grow_s, gok_s, RED: gl.constexpr, code_l: gl.constexpr,
+                      s5_l: gl.constexpr):
+        """Pointers and masks of a program's chunk 0: ``[G, 1, 32, 16]`` codes of the 16-row groups whose
+        first rows are ``grow_c`` (``gok_c``: which exist), ``[G, 1, 32, 2, 2]`` scale bytes of each
+        lane's rows (r0 = lane // 4 and r0 + 8; the chunk's two blocks). ``RED``: the reduction length."""
+        NQ: gl.constexpr = (RED // 2 + 31) // 32
+        KS: gl.constexpr = RED // 32
+        l_c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, code_l))))
+        b_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, code_l))))
+        c_src = (w_e + (grow_c // 16).to(gl.int64)[:, None, None, None] * (NQ * 512)
+                 + (l_c * 16)[None, None, :, None] + b_c[None, None, None, :])
+        c_ok = gok_c[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
+        l_s = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
+        s_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, s5_l)))))
+        h_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5_l)))))
+        srow = (grow_s[:, None, None, None, None] + (l_s // 4)[None, None, :, None, None]
+                + 8 * h_s[None, None, None, None, :])
+        s_src = s_e + srow * KS + s_s[None, None, None, :, None]
+        s_ok = gok_s[:, None, None, None, None] & (s_s >= 0)[None, None, None, :, None] & (
+            h_s >= 0)[None, None, None, None, :] & (l_s >= 0)[None, None, :, None, None]
+        return c_src, c_ok, s_src, s_ok
+
+    @gluon.jit
+    def _load_chunks(c_src, c_ok, s_src, s_ok, x_row, q0, RED: gl.constexpr, Q: gl.constexpr, b_l: gl.constexpr):
+        """Every load of chunks ``q0 .. q0 + Q - 1`` first: codes, scale bytes, and the activations' B
+        fragments (column 0; byte column i of a chunk meets elements 32 (i // 16) + i % 16 and 16 further
+        of the split-order row ``x_row``). Chunks past the reduction load nothing (zeros)."""
+        NQ: gl.constexpr = (RED // 2 + 31) // 32
+        i_b = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
+        n_b = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
+        x_src = x_row + (32 * (i_b // 16) + i_b % 16)[:, None] + 0 * n_b[None, :]
+        codes = ()
+        scales = ()
+        xs = ()
+        for q in gl.static_range(Q):
+            qq = q0 + q
+            codes = codes + (gl.load(c_src + qq * 512, mask=c_ok & (qq < NQ)),)
+            scales = scales + (gl.load(s_src + 2 * qq, mask=s_ok & (qq < NQ)),)
+            xm = (qq < NQ) & (i_b >= 0)[:, None] & (n_b == 0)[None, :]  # (RED is a multiple of 64)
+            xs = xs + ((gl.load(x_src + 64 * qq, mask=xm, other=0.0).to(gl.bfloat16),
+                        gl.load(x_src + 64 * qq + 16, mask=xm, other=0.0).to(gl.bfloat16)),)
+        return codes, scales, xs
+
     @gluon.jit
     def gemv1_mma_kernel(
         xq_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr, S, stride_im, expert_offset, limit,
@@ -88,62 +165,18 @@ if GK.HAS_GLUON:
             UP0: gl.constexpr = 0 if UP_FIRST else N
             GATE0: gl.constexpr = N if UP_FIRST else 0
             q0 = part * Q  # this part's first chunk
-            # the codes: group gg < GH of the tile's up rows, the rest its gate rows
+            # the tile's 16-row groups: gg < GH of its up rows, the rest of its gate rows
             g_c = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
-            l_c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, code_l))))
-            b_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, code_l))))
-            row0_c = pid_n * BN + 16 * (g_c % GH)  # the group's first column
-            grow_c = gl.where(g_c < GH, UP0, GATE0) + row0_c  # its first W13 row
-            w_e = w_ptr + e * (2 * N * NQ * 32)
-            c_src = (w_e + (grow_c // 16).to(gl.int64)[:, None, None, None] * (NQ * 512)
-                     + (l_c * 16)[None, None, :, None] + b_c[None, None, None, :])
-            c_ok = (row0_c < N)[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
-            # the scale bytes of each lane's rows (r0 = lane // 4 and r0 + 8), a chunk's two blocks
             g_s = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
-            l_s = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
-            s_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, s5_l)))))
-            h_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5_l)))))
+            row0_c = pid_n * BN + 16 * (g_c % GH)
             row0_s = pid_n * BN + 16 * (g_s % GH)
-            grow_s = gl.where(g_s < GH, UP0, GATE0) + row0_s
-            srow = (grow_s[:, None, None, None, None] + (l_s // 4)[None, None, :, None, None]
-                    + 8 * h_s[None, None, None, None, :])
-            s_src = s_ptr + e * (2 * N * KS) + srow * KS + s_s[None, None, None, :, None]
-            s_ok = (row0_s < N)[:, None, None, None, None] & (s_s >= 0)[None, None, None, :, None] & (
-                h_s >= 0)[None, None, None, None, :] & (l_s >= 0)[None, None, :, None, None]
-            # x's B fragments: byte column i of a chunk meets elements 32 (i // 16) + i % 16 (even) and
-            # 16 further (odd) in the split order; column 0 only
-            i_b = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
-            n_b = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
-            x_src = xq_ptr + m * K + (32 * (i_b // 16) + i_b % 16)[:, None] + 0 * n_b[None, :]
-            # every load first: codes, scale bytes and x of all Q chunks
-            codes = ()
-            scales = ()
-            xs = ()
-            for q in gl.static_range(Q):
-                qq = q0 + q
-                codes = codes + (gl.load(c_src + qq * 512, mask=c_ok & (qq < NQ)),)
-                scales = scales + (gl.load(s_src + 2 * qq, mask=s_ok & (qq < NQ)),)
-                xm = (qq < NQ) & (i_b >= 0)[:, None] & (n_b == 0)[None, :]  # (K is a multiple of 64)
-                xs = xs + ((gl.load(x_src + 64 * qq, mask=xm, other=0.0).to(gl.bfloat16),
-                            gl.load(x_src + 64 * qq + 16, mask=xm, other=0.0).to(gl.bfloat16)),)
+            c_src, c_ok, s_src, s_ok = _row_operands(
+                w_ptr + e * (2 * N * NQ * 32), s_ptr + e * (2 * N * KS), gl.where(g_c < GH, UP0, GATE0) + row0_c,
+                row0_c < N, gl.where(g_s < GH, UP0, GATE0) + row0_s, row0_s < N, K, code_l, s5_l)
+            codes, scales, xs = _load_chunks(c_src, c_ok, s_src, s_ok, xq_ptr + m * K, q0, K, Q, b_l)
             acc = gl.zeros([R, 8], gl.float32, layout=mma)
-            asm: gl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
             for q in gl.static_range(Q):
-                t = _to_operand(codes[q], G, 1, R, 32)
-                sb = scales[q].to(gl.int32)
-                if FOLD:
-                    sb = sb + 126
-                sc = (sb << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # mxtl._ptx_scales
-                sc = gl.expand_dims(gl.expand_dims(sc, 4), 6)
-                sc = gl.broadcast(sc, gl.full([G, 1, 32, 2, 2, 2, 2], 0, gl.bfloat16, layout=p7))[0]
-                sc = _to_operand(gl.reshape(sc, (G, 1, 32, 16)), G, 1, R, 32)
-                sc = gl.convert_layout(sc, t.type.layout, assert_trivial=True)
-                we, wo = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [t, sc],
-                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-                we = gl.convert_layout(we, a_l, assert_trivial=True)
-                wo = gl.convert_layout(wo, a_l, assert_trivial=True)
-                acc = mma_v2(we, xs[q][0], acc)
-                acc = mma_v2(wo, xs[q][1], acc)
+                acc = _chunk_mma(codes[q], scales[q], xs[q][0], xs[q][1], acc, R, FOLD, a_l, p7)
             v = gl.sum(acc, axis=1)  # (columns 1.. are zeros)
             # the parts' handshake: every part stores its sums, the last adds them in part order
             NT: gl.constexpr = (N + BN - 1) // BN
@@ -176,6 +209,65 @@ if GK.HAS_GLUON:
                          mask=offs_n < N)
 
 
+    @gluon.jit
+    def gemv2_mma_kernel(
+        a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, expert_offset,
+        K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, E: gl.constexpr, HAS_GS: gl.constexpr,
+        BN: gl.constexpr, Q: gl.constexpr, KP: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr,
+        a_l: gl.constexpr, b_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
+        o_l: gl.constexpr,
+    ):
+        """Program (token m, tile of BN outputs, slot j and part of its Q-chunk runs): ``wts * dq8(a) @
+        W2[e_j]^T`` of the run (zeros for a slot not ours); the last of the tile's ``TOPK * KP``
+        programs adds them in part order (slot, run) and writes the output row (``kernels.gemv2_kernel``'s
+        sum)."""
+        SPLIT: gl.constexpr = TOPK * KP
+        R: gl.constexpr = BN
+        G: gl.constexpr = BN // 16
+        NQ: gl.constexpr = (N // 2 + 31) // 32
+        NS: gl.constexpr = N // 32
+        NT: gl.constexpr = (K + BN - 1) // BN
+        pid = gl.program_id(0)
+        m = pid % M
+        rest = pid // M
+        part = rest % SPLIT
+        pid_n = rest // SPLIT
+        j = part // KP
+        gid = gl.load(ids_ptr + m * TOPK + j).to(gl.int64)
+        e, ours = local_expert(gid, expert_offset, E)
+        tile = m.to(gl.int64) * NT + pid_n
+        prow = part_ptr + tile * (SPLIT * R)
+        r_v = gl.arange(0, R, layout=gl.SliceLayout(1, mma))
+        v = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, mma))
+        if ours:
+            g_c = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
+            g_s = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
+            row0_c = pid_n * BN + 16 * g_c
+            row0_s = pid_n * BN + 16 * g_s
+            c_src, c_ok, s_src, s_ok = _row_operands(w_ptr + e * (K * NQ * 32), s_ptr + e * (K * NS), row0_c,
+                                                     row0_c < K, row0_s, row0_s < K, N, code_l, s5_l)
+            codes, scales, xs = _load_chunks(c_src, c_ok, s_src, s_ok, a_ptr + (m * TOPK + j).to(gl.int64) * N,
+                                             (part % KP) * Q, N, Q, b_l)
+            acc = gl.zeros([R, 8], gl.float32, layout=mma)
+            for q in gl.static_range(Q):
+                acc = _chunk_mma(codes[q], scales[q], xs[q][0], xs[q][1], acc, R, FOLD, a_l, p7)
+            y = gl.sum(acc, axis=1)  # (columns 1.. are zeros)
+            if HAS_GS:
+                y = y * gl.load(gs_ptr + e)
+            v = y * gl.load(wts_ptr + m * TOPK + j)
+        gl.store(prow + part * R + r_v, v)
+        _barrier()
+        done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            o = gl.arange(0, BN, layout=o_l)
+            total = gl.zeros([BN], gl.float32, layout=o_l)
+            for p in gl.static_range(SPLIT):
+                total += gl.load(prow + p * R + o, cache_modifier=".cg")
+            gl.store(cnt_ptr + tile, 0)
+            offs_o = pid_n * BN + o
+            gl.store(out_ptr + m.to(gl.int64) * K + offs_o, total.to(out_ptr.dtype.element_ty), mask=offs_o < K)
+
+
 def launch(st, xq, ids32, act, part, cnt, S, bn, q, nw):
     """One launch of ``gemv1_mma_kernel`` on handle state ``st`` for ``S`` slots."""
     g = st.plans.geometry
@@ -190,6 +282,18 @@ def launch(st, xq, ids32, act, part, cnt, S, bn, q, nw):
         FOLD=st.plans.fold, num_warps=nw, **mma_layouts(nw))
 
 
+def launch2(st, act, ids32, wts, out, part, cnt, M, bn, q, nw):
+    """One launch of ``gemv2_mma_kernel`` on handle state ``st`` for ``M`` tokens."""
+    g = st.plans.geometry
+    K, N = g.hidden_size, g.intermediate_size
+    kp = -(-(N // 64) // q)
+    grid = (M * g.top_k * kp * -(-K // bn),)
+    return gemv2_mma_kernel[grid](
+        act, ids32, wts, st.w2, st.w2_scale, st.g2 if st.g2 is not None else wts, out, part, cnt, M,
+        st.expert_offset, K=K, N=N, TOPK=g.top_k, E=g.num_experts, HAS_GS=g.has_global_scales, BN=bn, Q=q, KP=kp,
+        FOLD=st.plans.fold, num_warps=nw, **mma_layouts2(nw))
+
+
 def main():
     import torch
 
@@ -199,66 +303,106 @@ def main():
 
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
-    forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [(64, 4, 4)]
+    forms1 = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [(64, 2, 4)]
+    forms2 = [tuple(map(int, f.split("/"))) for f in sys.argv[4].split(",")] if len(sys.argv) > 4 else [(64, 2, 4)]
     for name in names:
         geo = GEOMETRIES[name]
         hs = experiment_handles(name, max(sizes), layers=4)
         for M in sizes:
-            xs, idss, wss, outs = layer_batches(M, geo["E"], geo["K"], geo["top_k"], len(hs))
-            ids32 = [i.to(torch.int32).contiguous() for i in idss]
-            st = hs[0]._state
-            gp = st.plans
-            base = P.default_config(M, gp.geometry)
-            cx = dataclasses.replace(base, xq=True)
-            gp.reserve(M, base)
-            gp.reserve(M, cx)
-            a = gp.arena.buffers
-            S = M * geo["top_k"]
-            N = geo["N"]
-            part = torch.empty(S * 4 * N * (geo["K"] // 64), device=xs[0].device, dtype=torch.float32)
-            cnt = torch.zeros(S * N, device=xs[0].device, dtype=torch.int32)
-            print(f"{name} M={M}: plan gemv1 {(base.bn1, base.bk1, base.warps1, base.stages1, base.split1)} "
-                  f"xq {base.xq}", flush=True)
-
-            def plan_calls(stage):
-                return [lambda h=h, x=x, i=i, w=w, o=o: _launch_all(h._state, base, x, i, w, o, stages=stage)
-                        for h, x, i, w, o in zip(hs, xs, idss, wss, outs)]
-
-            t1 = graph_time(plan_calls(("prologue", "gemm1")), reps=20) * 1e6
-            tw = graph_time(plan_calls(("prologue", "gemm1", "gemm2", "finalize")), reps=20) * 1e6
-            print(f"  plan: gemv1 {t1:.1f} us, whole op {tw:.1f} us/layer", flush=True)
-            _launch_all(st, base, xs[0], idss[0], wss[0], outs[0], stages=("prologue", "gemm1"))
-            want = a["act"][: S * N].clone()
-            for bn, q, nw in forms:
-                label = f"mma.sync gemv1 bn {bn} chunks {q} warps {nw}"
-                try:
-                    def mine(h, x, i, w, o, i32, whole):
-                        _launch_all(h._state, cx, x, i, w, o, stages=("prologue",))
-                        launch(h._state, a["xq"], i32, a["act"], part, cnt, S, bn, q, nw)
-                        if whole:
-                            _launch_all(h._state, base, x, i, w, o, stages=("gemm2",))
-
-                    a["act"].zero_()
-                    mine(hs[0], xs[0], idss[0], wss[0], outs[0], ids32[0], False)
-                    ck = launch(st, a["xq"], ids32[0], a["act"], part, cnt, S, bn, q, nw)  # (the same again)
-                    torch.cuda.synchronize()
-                    got = a["act"][: S * N].float()
-                    w_ = want.float()
-                    rel = ((got - w_).norm() / w_.norm().clamp_min(1e-30)).item()
-                    ndiff = (got != w_).sum().item()
-                    c1 = [lambda h=h, x=x, i=i, w=w, o=o, i32=i32: mine(h, x, i, w, o, i32, False)
-                          for h, x, i, w, o, i32 in zip(hs, xs, idss, wss, outs, ids32)]
-                    cw = [lambda h=h, x=x, i=i, w=w, o=o, i32=i32: mine(h, x, i, w, o, i32, True)
-                          for h, x, i, w, o, i32 in zip(hs, xs, idss, wss, outs, ids32)]
-                    m1 = graph_time(c1, reps=20) * 1e6
-                    mw = graph_time(cw, reps=20) * 1e6
-                    print(f"  {label}: gemv1 {m1:.1f} us, whole op {mw:.1f} us/layer; activations: "
-                          f"rel L2 {rel:.1e} from the plan's, {ndiff} of {S * N} differ; {getattr(ck, 'n_regs', '?')} regs, "
-                          f"{getattr(ck, 'n_spills', '?')} spills", flush=True)
-                except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
-                    print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-600:]}", flush=True)
+            _point(name, geo, hs, M, forms1, forms2, torch, _launch_all, P, graph_time, layer_batches)
         hs = None  # (let the geometry's handles go before the next)
         torch.cuda.empty_cache()
+
+
+def _point(name, geo, hs, M, forms1, forms2, torch, _launch_all, P, graph_time, layer_batches):
+    """One token count: the plan's GEMV path, then each gemv1 form, then each gemv2 form (with the
+    fastest gemv1 form, or the plan's gemv1 where none was faster)."""
+    xs, idss, wss, outs = layer_batches(M, geo["E"], geo["K"], geo["top_k"], len(hs))
+    ids32 = [i.to(torch.int32).contiguous() for i in idss]
+    wts = [w.float().contiguous() for w in wss]
+    layers = list(zip(hs, xs, idss, wss, outs, ids32, wts))
+    st = hs[0]._state
+    gp = st.plans
+    base = P.default_config(M, gp.geometry)
+    cx = dataclasses.replace(base, xq=True)
+    gp.reserve(M, base)
+    gp.reserve(M, cx)
+    a = gp.arena.buffers
+    S = M * geo["top_k"]
+    K, N = geo["K"], geo["N"]
+    dev = xs[0].device
+    part = torch.empty(max(S * 4 * N * (K // 64), M * K * geo["top_k"] * (N // 64) * 2), device=dev,
+                       dtype=torch.float32)
+    cnt = torch.zeros(max(S * N, M * K), device=dev, dtype=torch.int32)
+    print(f"{name} M={M}: plan gemv1 {(base.bn1, base.bk1, base.warps1, base.stages1, base.split1)} xq {base.xq}, "
+          f"gemv2 {(base.bn2, base.bk2, base.warps2, base.stages2, base.split2)}", flush=True)
+
+    def plan(stages):
+        return [lambda h=h, x=x, i=i, w=w, o=o: _launch_all(h._state, base, x, i, w, o, stages=stages)
+                for h, x, i, w, o, _, _ in layers]
+
+    t1 = graph_time(plan(("prologue", "gemm1")), reps=20) * 1e6
+    t2 = graph_time(plan(("gemm2",)), reps=20) * 1e6
+    tw = graph_time(plan(("prologue", "gemm1", "gemm2", "finalize")), reps=20) * 1e6
+    print(f"  plan: gemv1 {t1:.1f} us, gemv2 {t2:.1f} us, whole op {tw:.1f} us/layer", flush=True)
+    _launch_all(st, base, xs[0], idss[0], wss[0], outs[0])
+    want_act = a["act"][: S * N].clone()
+    want_out = outs[0].clone()
+
+    def gemv1(f):
+        if f is None:
+            return lambda h, x, i, w, o, i32, wt: _launch_all(h._state, base, x, i, w, o, stages=("prologue", "gemm1"))
+
+        def run(h, x, i, w, o, i32, wt):
+            _launch_all(h._state, cx, x, i, w, o, stages=("prologue",))
+            launch(h._state, a["xq"], i32, a["act"], part, cnt, S, *f)
+        return run
+
+    def gemv2(f):
+        if f is None:
+            return lambda h, x, i, w, o, i32, wt: _launch_all(h._state, base, x, i, w, o, stages=("gemm2",))
+        return lambda h, x, i, w, o, i32, wt: launch2(h._state, a["act"], i32, wt, o, part, cnt, M, *f)
+
+    def timed(*parts):
+        return graph_time([lambda L=L: [p(*L) for p in parts] for L in layers], reps=20) * 1e6
+
+    def diff(got, want):
+        got, want = got.float(), want.float()
+        rel = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        return f"rel L2 {rel:.1e} from the plan's, {(got != want).sum().item()} of {got.numel()} differ"
+
+    best, best_us = None, tw
+    for f in forms1:
+        label = f"mma.sync gemv1 bn {f[0]} chunks {f[1]} warps {f[2]}"
+        try:
+            a["act"].zero_()
+            gemv1(f)(*layers[0])
+            ck = launch(st, a["xq"], ids32[0], a["act"], part, cnt, S, *f)  # (the same again: its kernel)
+            torch.cuda.synchronize()
+            d = diff(a["act"][: S * N], want_act)
+            m1 = timed(gemv1(f))
+            mw = timed(gemv1(f), gemv2(None))
+            if mw < best_us:
+                best, best_us = f, mw
+            print(f"  {label}: gemv1 {m1:.1f} us, whole op {mw:.1f} us/layer; activations: {d}; "
+                  f"{getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills", flush=True)
+        except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
+            print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-600:]}", flush=True)
+    for f in forms2:
+        label = f"mma.sync gemv2 bn {f[0]} chunks {f[1]} warps {f[2]}"
+        try:
+            gemv1(None)(*layers[0])
+            outs[0].zero_()
+            ck = gemv2(f)(*layers[0])
+            torch.cuda.synchronize()
+            d = diff(outs[0], want_out)
+            m2 = timed(gemv2(f))
+            mw = timed(gemv1(best), gemv2(f))
+            print(f"  {label}: gemv2 {m2:.1f} us, whole op {mw:.1f} us/layer (gemv1: "
+                  f"{'the plan' if best is None else best}); output: {d}; {getattr(ck, 'n_regs', '?')} regs, "
+                  f"{getattr(ck, 'n_spills', '?')} spills", flush=True)
+        except Exception as ex:
+            print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-600:]}", flush=True)
 
 
 if __name__ == "__main__":
