@@ -26,7 +26,8 @@ Run on a GPU (Gluon does not run in Triton's interpreter):
     python benchmarks/experiments/gemv_mma.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2,4 \
         64/2/4,64/1/4,32/4/4 64/2/4,64/4/4
 
-Forms are ``BN/Q/warps``, gemv1's then gemv2's. Each line: a form's kernel alone (gemv1 with x's
+Forms are ``BN/Q/warps``, gemv1's then gemv2's. ``GEMV_MMA_PDL=1`` launches both as programmatic
+dependent launches whose weight loads come before the wait for the previous kernel (``_gdc``). Each line: a form's kernel alone (gemv1 with x's
 quantizing launch) and the whole op with it (gemv1 forms with the plan's gemv2; gemv2 forms with the
 fastest gemv1 form), us per layer from CUDA-graph replay over 4 layers, against the plan's; its
 activations (output) against the plan's gemv1's (whole op's).
@@ -117,25 +118,43 @@ if GK.HAS_GLUON:
         return c_src, c_ok, s_src, s_ok
 
     @gluon.jit
-    def _load_chunks(c_src, c_ok, s_src, s_ok, x_row, q0, RED: gl.constexpr, Q: gl.constexpr, b_l: gl.constexpr):
-        """Every load of chunks ``q0 .. q0 + Q - 1`` first: codes, scale bytes, and the activations' B
-        fragments (column 0; byte column i of a chunk meets elements 32 (i // 16) + i % 16 and 16 further
-        of the split-order row ``x_row``). Chunks past the reduction load nothing (zeros)."""
+    def _load_codes(c_src, c_ok, s_src, s_ok, q0, RED: gl.constexpr, Q: gl.constexpr):
+        """The codes and scale bytes of chunks ``q0 .. q0 + Q - 1``, every load issued before any is used
+        (chunks past the reduction load nothing: zeros)."""
         NQ: gl.constexpr = (RED // 2 + 31) // 32
-        i_b = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
-        n_b = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
-        x_src = x_row + (32 * (i_b // 16) + i_b % 16)[:, None] + 0 * n_b[None, :]
         codes = ()
         scales = ()
-        xs = ()
         for q in gl.static_range(Q):
             qq = q0 + q
             codes = codes + (gl.load(c_src + qq * 512, mask=c_ok & (qq < NQ)),)
             scales = scales + (gl.load(s_src + 2 * qq, mask=s_ok & (qq < NQ)),)
+        return codes, scales
+
+    @gluon.jit
+    def _load_x(x_row, q0, RED: gl.constexpr, Q: gl.constexpr, b_l: gl.constexpr):
+        """The activations' B fragments of chunks ``q0 ..``: column 0 (the other columns zeros); byte
+        column i of a chunk meets elements 32 (i // 16) + i % 16 and 16 further of the split-order row
+        ``x_row``. ``(even, odd)`` a chunk."""
+        NQ: gl.constexpr = (RED // 2 + 31) // 32
+        i_b = gl.arange(0, 32, layout=gl.SliceLayout(1, b_l))
+        n_b = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
+        x_src = x_row + (32 * (i_b // 16) + i_b % 16)[:, None] + 0 * n_b[None, :]
+        xs = ()
+        for q in gl.static_range(Q):
+            qq = q0 + q
             xm = (qq < NQ) & (i_b >= 0)[:, None] & (n_b == 0)[None, :]  # (RED is a multiple of 64)
             xs = xs + ((gl.load(x_src + 64 * qq, mask=xm, other=0.0).to(gl.bfloat16),
                         gl.load(x_src + 64 * qq + 16, mask=xm, other=0.0).to(gl.bfloat16)),)
-        return codes, scales, xs
+        return xs
+
+    @gluon.jit
+    def _gdc(PDL: gl.constexpr):
+        """With ``PDL``: wait for the previous kernel (its writes visible), then let the next one launch
+        (``kernels.pdl_start``'s pair, placed here after the loads that read no earlier kernel's output)."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
     @gluon.jit
     def gemv1_mma_kernel(
@@ -143,7 +162,7 @@ if GK.HAS_GLUON:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, E: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BN: gl.constexpr, Q: gl.constexpr, SPLIT: gl.constexpr,
         FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, code_l: gl.constexpr,
-        p7: gl.constexpr, s5_l: gl.constexpr, q_l: gl.constexpr,
+        p7: gl.constexpr, s5_l: gl.constexpr, q_l: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """Program (slot b, tile of BN columns, part of Q 64-element chunks): the tile's activations
         (``kernels.gemv1_kernel``'s, x from ``xq``) into row b of ``a``."""
@@ -173,7 +192,9 @@ if GK.HAS_GLUON:
             c_src, c_ok, s_src, s_ok = _row_operands(
                 w_ptr + e * (2 * N * NQ * 32), s_ptr + e * (2 * N * KS), gl.where(g_c < GH, UP0, GATE0) + row0_c,
                 row0_c < N, gl.where(g_s < GH, UP0, GATE0) + row0_s, row0_s < N, K, code_l, s5_l)
-            codes, scales, xs = _load_chunks(c_src, c_ok, s_src, s_ok, xq_ptr + m * K, q0, K, Q, b_l)
+            codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, q0, K, Q)  # (the weights: no kernel writes them)
+            _gdc(PDL)
+            xs = _load_x(xq_ptr + m * K, q0, K, Q, b_l)
             acc = gl.zeros([R, 8], gl.float32, layout=mma)
             for q in gl.static_range(Q):
                 acc = _chunk_mma(codes[q], scales[q], xs[q][0], xs[q][1], acc, R, FOLD, a_l, p7)
@@ -215,7 +236,7 @@ if GK.HAS_GLUON:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, E: gl.constexpr, HAS_GS: gl.constexpr,
         BN: gl.constexpr, Q: gl.constexpr, KP: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr,
         a_l: gl.constexpr, b_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
-        o_l: gl.constexpr,
+        o_l: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """Program (token m, tile of BN outputs, slot j and part of its Q-chunk runs): ``wts * dq8(a) @
         W2[e_j]^T`` of the run (zeros for a slot not ours); the last of the tile's ``TOPK * KP``
@@ -239,15 +260,17 @@ if GK.HAS_GLUON:
         prow = part_ptr + tile * (SPLIT * R)
         r_v = gl.arange(0, R, layout=gl.SliceLayout(1, mma))
         v = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, mma))
+        # the weights' loads (nothing for a slot not ours) before the previous kernel's end: no kernel writes them
+        g_c = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
+        g_s = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
+        row0_c = pid_n * BN + 16 * g_c
+        row0_s = pid_n * BN + 16 * g_s
+        c_src, c_ok, s_src, s_ok = _row_operands(w_ptr + e * (K * NQ * 32), s_ptr + e * (K * NS), row0_c,
+                                                 (row0_c < K) & ours, row0_s, (row0_s < K) & ours, N, code_l, s5_l)
+        codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, (part % KP) * Q, N, Q)
+        _gdc(PDL)
         if ours:
-            g_c = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
-            g_s = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
-            row0_c = pid_n * BN + 16 * g_c
-            row0_s = pid_n * BN + 16 * g_s
-            c_src, c_ok, s_src, s_ok = _row_operands(w_ptr + e * (K * NQ * 32), s_ptr + e * (K * NS), row0_c,
-                                                     row0_c < K, row0_s, row0_s < K, N, code_l, s5_l)
-            codes, scales, xs = _load_chunks(c_src, c_ok, s_src, s_ok, a_ptr + (m * TOPK + j).to(gl.int64) * N,
-                                             (part % KP) * Q, N, Q, b_l)
+            xs = _load_x(a_ptr + (m * TOPK + j).to(gl.int64) * N, (part % KP) * Q, N, Q, b_l)
             acc = gl.zeros([R, 8], gl.float32, layout=mma)
             for q in gl.static_range(Q):
                 acc = _chunk_mma(codes[q], scales[q], xs[q][0], xs[q][1], acc, R, FOLD, a_l, p7)
@@ -268,6 +291,13 @@ if GK.HAS_GLUON:
             gl.store(out_ptr + m.to(gl.int64) * K + offs_o, total.to(out_ptr.dtype.element_ty), mask=offs_o < K)
 
 
+def _pdl() -> dict:
+    """``GEMV_MMA_PDL=1``: both kernels launched as programmatic dependent launches, their weights'
+    loads before the wait (``_gdc``)."""
+    on = os.environ.get("GEMV_MMA_PDL", "0") == "1"
+    return dict(PDL=on, launch_pdl=True) if on else {}
+
+
 def launch(st, xq, ids32, act, part, cnt, S, bn, q, nw):
     """One launch of ``gemv1_mma_kernel`` on handle state ``st`` for ``S`` slots."""
     g = st.plans.geometry
@@ -279,7 +309,7 @@ def launch(st, xq, ids32, act, part, cnt, S, bn, q, nw):
         st.expert_offset, st.limit if st.limit is not None else 0.0,
         K=K, N=N, TOPK=g.top_k, E=g.num_experts, UP_FIRST=g.w13_layout == "w13",
         HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BN=bn, Q=q, SPLIT=split,
-        FOLD=st.plans.fold, num_warps=nw, **mma_layouts(nw))
+        FOLD=st.plans.fold, num_warps=nw, **_pdl(), **mma_layouts(nw))
 
 
 def launch2(st, act, ids32, wts, out, part, cnt, M, bn, q, nw):
@@ -291,7 +321,7 @@ def launch2(st, act, ids32, wts, out, part, cnt, M, bn, q, nw):
     return gemv2_mma_kernel[grid](
         act, ids32, wts, st.w2, st.w2_scale, st.g2 if st.g2 is not None else wts, out, part, cnt, M,
         st.expert_offset, K=K, N=N, TOPK=g.top_k, E=g.num_experts, HAS_GS=g.has_global_scales, BN=bn, Q=q, KP=kp,
-        FOLD=st.plans.fold, num_warps=nw, **mma_layouts2(nw))
+        FOLD=st.plans.fold, num_warps=nw, **_pdl(), **mma_layouts2(nw))
 
 
 def main():
@@ -397,10 +427,13 @@ def _point(name, geo, hs, M, forms1, forms2, torch, _launch_all, P, graph_time, 
             torch.cuda.synchronize()
             d = diff(outs[0], want_out)
             m2 = timed(gemv2(f))
+            outs[0].zero_()
             mw = timed(gemv1(best), gemv2(f))
+            torch.cuda.synchronize()
+            dr = diff(outs[0], want_out)  # (layer 0's output as the graph replays left it)
             print(f"  {label}: gemv2 {m2:.1f} us, whole op {mw:.1f} us/layer (gemv1: "
-                  f"{'the plan' if best is None else best}); output: {d}; {getattr(ck, 'n_regs', '?')} regs, "
-                  f"{getattr(ck, 'n_spills', '?')} spills", flush=True)
+                  f"{'the plan' if best is None else best}); output: {d}; after the replays: {dr}; "
+                  f"{getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills", flush=True)
         except Exception as ex:
             print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-600:]}", flush=True)
 
