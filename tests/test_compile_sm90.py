@@ -232,6 +232,44 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
         assert "LOCAL:0" in offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", ""), what
 
 
+@pytest.mark.parametrize("name", sorted(GEOMETRIES) + ["odd"])
+def test_mma_gemv_compiles_with_its_weights_loaded_before_the_wait(offline, name):
+    """The GEMV on mma.sync (``gluon_gemv``; untuned plans at 1-2 tokens on sm_90) compiles for sm_90:
+    the decode's asm writes the ``m16n8k16`` A fragments in place (its ``assert_trivial`` conversions
+    would fail the compile otherwise), two ``mma.sync`` a 64-element chunk and no shared-memory
+    operand. As programmatic dependent launches, every code load (16 bytes a lane) comes before the
+    wait for the previous kernel and every store after it. Registers stay within four programs an
+    SM, with no local memory. "odd" has K and N of 2.5 chunks (96, 160: half chunks masked)."""
+    import re
+
+    from b12x_ops.backends.triton import plan as P
+
+    geo = GEOMETRIES.get(name, dict(E=5, K=160, N=96, top_k=3, limit=3.0))
+    g = offline._geometry(geo)
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx = gp.fold = True
+    gp.mma_pdl = True
+    for M, (q1, q2) in ((1, (2, 4)), (2, (4, 4)), (1, (4, 2))):
+        cfg = P.mma_config(P.default_config(M, g, gemv=True), g, q1, q2)
+        for which, kernel in ((1, "gemv1_mma_kernel"), (2, "gemv2_mma_kernel")):
+            ln = gp.stages(cfg, M)[which]
+            ck = offline.compile_launch(ln, 90)
+            ptx, what = ck.asm["ptx"], (name, M, q1, q2, which)
+            assert ck.metadata.name == kernel and bool(ck.metadata.launch_pdl), what
+            q = q1 if which == 1 else q2
+            mmas = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
+            rows = 2 * cfg.bn1 if which == 1 else cfg.bn2
+            assert mmas == 2 * q * 2 * (rows // 16 // ln.num_warps), (what, mmas)  # (a warp's: even, odd; 2 k16)
+            assert "wgmma" not in ptx and "ld.shared" not in ptx.split("griddepcontrol.wait")[0], what
+            before, after = ptx.split("griddepcontrol.wait")
+            assert "ld.global.v4" in before or "ld.global.nc.v4" in before, what
+            assert not re.search(r"\bst\.global|\batom\.|\bred\.", before), what
+            assert "griddepcontrol.launch_dependents" in after, what
+            res = offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", "")
+            regs = int(re.search(r"REG:(\d+)", res).group(1))
+            assert regs * 128 * 4 <= 65536 and "LOCAL:0" in res, (what, res)
+
+
 def test_wgmma_operand_hazard_check_finds_a_write_to_an_in_flight_operand(offline):
     """The SASS check the Gluon test relies on: a loop whose decode rewrites the registers the last
     trip's MMA still reads (the wait keeps 2 groups in flight) is flagged; the same loop with the

@@ -332,6 +332,54 @@ def test_gpu_gemv_split_matches_reference_and_is_deterministic(name):
                                          (51, 52))
 
 
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-30b-a3b", "dsv4-tp4", "odd-3x96", "odd-ep"])
+def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
+    """The GEMV on mma.sync (``gluon_gemv``; sm_90), its programs of 1, 2 and 4 chunks (K and N tails of
+    half a chunk in the odd layers), 1-4 tokens with padding, other ranks' ids, both W13 layouts, the
+    limit and the global scales: against the reference and the tl.dot GEMV with x quantized first
+    (the same products; the fp32 sums split at other points), bit-identical over 20 runs, the counts
+    back at zero after each call, and under CUDA-graph replay with new inputs; an untuned plan of one
+    token runs it."""
+    import dataclasses
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import plan as P
+
+    if not P.gluon_status(torch.device("cuda"))[0]:
+        pytest.skip("the mma.sync GEMV runs where the Gluon GEMMs do (sm_90, triton's Gluon)")
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, deterministic=True, frozen=False)
+    st = h._state
+    g = st.plans.geometry
+    assert st.plans.configs[1].mma and st.plans.mma_pdl
+    for q1, q2 in ((2, 4), (4, 2), (1, 1)):
+        for i, M in enumerate((1, 2, 4)):
+            base = P.default_config(M, g, gemv=True)
+            cfg = P.mma_config(base, g, q1, q2)
+            tl_cfg = dataclasses.replace(base, xq=True)
+            for c in (cfg, tl_cfg):
+                st.plans.reserve(M, c)
+            x, ids, w = make_batch(layer, M, seed=60 + i, device="cuda", padding_rows=min(1, M // 2))
+            want = b12x_ops.moe_w4a8(x, ids, w, ref)
+            dot = torch.empty_like(x)
+            _launch_all(st, tl_cfg, x, ids, w, dot)
+            out = torch.full_like(x, float("nan"))
+            _launch_all(st, cfg, x, ids, w, out)
+            what = (name, q1, q2, M)
+            assert rel_l2(out, want) <= 1e-2, (what, rel_l2(out, want))
+            assert rel_l2(out, dot) <= 1e-3, (what, rel_l2(out, dot))
+            first = out.clone()
+            for _ in range(20):
+                _launch_all(st, cfg, x, ids, w, out)
+                assert torch.equal(out, first), what
+            a = st.plans.arena.buffers
+            assert not a["cnt1"].any() and not a["cnt2"].any(), what
+    out = torch.empty_like(x)
+    _assert_graph_replays_new_inputs(lambda: _launch_all(st, cfg, x, ids, w, out), layer, ref, x, ids, w, out,
+                                     (61, 62))
+
+
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-30b-a3b", "odd-ep"])
 def test_gpu_gemv_fused_matches_two_launches(name):
     """The one-launch GEMV (``kernels.gemv_fused_kernel``, gemv2's programs waiting on their token's

@@ -193,6 +193,63 @@ def test_tuner_times_the_gluon_gemms_where_they_run(name, tokens):
         assert len(k1) == len({(c.tiles1(), False) for c in plain if c.bm == bm}) + 2
 
 
+@pytest.mark.parametrize("name", list(GEOS))
+def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
+    """Where the Gluon GEMMs run (sm_90), an untuned GEMV plan of one token, or of two where N is under
+    ``GEMV_XQ_WIDE_N`` (not gpt-oss), runs on mma.sync (``gluon_gemv``; H200: 2-13 % faster there, slower
+    at gpt-oss's two tokens and at four); its config quantizes x first, its splits cover every 64-element
+    chunk once (``mma_config``), its launches pass ``_check_mma`` and take their constexprs last,
+    eager calls fall back to the one-launch tl.dot GEMV, and a config the kernels cannot run is
+    refused before anything compiles."""
+    import dataclasses
+
+    g = geometry(*GEOS[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx = gp.fold = True  # (a GPU prepare's choices)
+    nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
+    for tokens in (1, 2, 3, 4):
+        cfg = P.default_config(tokens, g, gemv=True)
+        want = tokens == 1 or (tokens == 2 and g.intermediate_size < P.GEMV_XQ_WIDE_N)
+        form = P.gemv_mma_form(tokens, g)
+        assert (form is not None) == want, (tokens, form)
+        gp.gluon = False
+        assert gp.with_gluon(cfg, tokens) == cfg
+        gp.gluon = True
+        got = gp.with_gluon(cfg, tokens)
+        assert got.mma == want and gp.with_gluon(cfg) == cfg  # (no token count: unchanged)
+        if not want:
+            assert got == cfg
+            continue
+        q1, q2 = form
+        assert q1 == (2 if tokens == 1 and g.hidden_size <= 2048 else 4) and q2 == 4
+        assert got.gemv and got.xq and not got.fused and (got.bn1, got.bn2, got.warps1, got.warps2) == (64, 64, 4, 4)
+        assert got.split1 * (got.bk1 // 64) >= nq1 > (got.split1 - 1) * (got.bk1 // 64)
+        kp = got.split2 // g.top_k
+        assert got.split2 % g.top_k == 0 and kp * (got.bk2 // 64) >= nq2 > (kp - 1) * (got.bk2 // 64)
+        assert gp.with_gluon(got, tokens) == got
+        eager = P.eager_form(got)
+        assert eager.fused and not eager.mma and not eager.xq and eager.tiles2() == got.tiles2()
+        launches = gp.stages(got, tokens)
+        assert [ln.fn.__name__ if ln else None for ln in launches] == ["xquant_kernel", "gemv1_mma_kernel",
+                                                                       "gemv2_mma_kernel", None]
+        for ln in launches[1:3]:
+            args = tuple(f"arg{i}" for i in range(ln.n_args))
+            rest = iter(args)
+            assert list(ln._full_args(args)) == [ln.constexprs[n] if n in ln.constexprs else next(rest)
+                                                 for n in ln.fn.arg_names]
+        assert launches[1].constexprs["Q"] == q1 and launches[2].constexprs["KP"] == kp
+        for bad in (dict(split1=got.split1 + 1), dict(xq=False), dict(bk2=96), dict(split2=got.split2 - 1)):
+            with pytest.raises(ValueError, match="no mma.sync GEMV"):
+                gp.stages(dataclasses.replace(got, **bad), tokens)
+    # the tuner: with Gluon, four mma.sync forms beside the tl.dot GEMV tiles, a group of their own
+    plain = P.candidate_configs(1, g, None)
+    cands = P.candidate_configs(1, g, None, gluon=True)
+    mma = [c for c in cands if c.mma]
+    assert not any(c.mma for c in plain) and len(mma) == 4 and all(c.gemv and c.xq for c in mma)
+    for c in mma:
+        gp.stages(c, 1)  # (passes _check_mma)
+
+
 def test_untuned_plans_take_the_gluon_gemm1_and_tuned_ones_keep_their_choice(tmp_path):
     """Without tuning a plan's configs are the defaults with ``with_gluon`` applied (GEMM1 in Gluon
     at 128-row blocks where the GPU runs it); ``add`` keeps a config as given (a tuned one, which
@@ -207,7 +264,8 @@ def test_untuned_plans_take_the_gluon_gemm1_and_tuned_ones_keep_their_choice(tmp
     state = types.SimpleNamespace(plans=gp)
     chosen = TB._choose_configs(state, [1, 64, 8192], tune=False, cache_dir_opt=str(tmp_path))
     assert chosen[8192] == gp.with_gluon(P.default_config(8192, g)) and chosen[8192].gluon
-    assert chosen[1] == P.default_config(1, g) and chosen[64] == P.default_config(64, g)
+    assert chosen[1] == P.mma_config(P.default_config(1, g), g, *P.gemv_mma_form(1, g))  # (the GEMV on mma.sync)
+    assert chosen[64] == P.default_config(64, g)
     plain = P.default_config(8192, g)
     gp.add(8192, plain)
     assert gp.configs[8192] == plain and not gp.configs[8192].gluon

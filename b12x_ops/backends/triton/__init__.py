@@ -184,7 +184,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     g = state.plans.geometry
     mode = state.plans.gemv
     if not tune:
-        return {c: state.plans.with_gluon(P.default_config(c, g, mode)) for c in caps}
+        return {c: state.plans.with_gluon(P.default_config(c, g, mode), c) for c in caps}
     path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx, state.plans.gluon)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
@@ -256,8 +256,8 @@ def _tune_one(state, cap):
     cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon)
     flush = _l2_flush_buffer(g.device)
     best = None
-    for bm, gemv in sorted({(c.bm, c.gemv) for c in cands}):
-        group = [c for c in cands if (c.bm, c.gemv) == (bm, gemv)]
+    for bm, gemv, mma in sorted({(c.bm, c.gemv, c.mma) for c in cands}):
+        group = [c for c in cands if (c.bm, c.gemv, c.mma) == (bm, gemv, mma)]
         for c in group:  # (scratch for every candidate: a split's partial sums and counters too)
             gp.reserve(cap, c)
         # routing for this block size, once (the GEMV path has none; its x quantization, where a
@@ -282,7 +282,7 @@ def _tune_one(state, cap):
         if math.isinf(t1[b1]) or math.isinf(t2[b2]):
             continue
         pick = dataclasses.replace(P.Config.of(bm, b1[0], b2[0], group[0].atomic, gemv=gemv), gluon=b1[1],
-                                   gluon2=b2[1])
+                                   gluon2=b2[1], mma=mma)
         gp.reserve(cap, pick)
         total = _time_ms(lambda: _launch_all(state, pick, x, ids, w, out), flush)
         if best is None or total < best[0]:
@@ -374,7 +374,11 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
         if cfg.xq and "prologue" in stages:
             ln = rn.prologue
             ln((m, rn.xquant_tiles, 1), _as(x, _I16, ln), a["xq"], m, x.stride(0), x_fp16)
-        if "gemm1" in stages:
+        if "gemm1" in stages and cfg.mma:  # (gluon_gemv: x's quantized row from xq)
+            ln = rn.gemm1
+            ln((S * rn.n_tiles1, 1, 1), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
+               a["part1"], a["cnt1"], S, si0, si1, state.expert_offset, state.limit)
+        elif "gemm1" in stages:
             ln = rn.gemm1
             ln((S * rn.n_tiles1, 1, 1),
                _as(x, _I16, ln), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],

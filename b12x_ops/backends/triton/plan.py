@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gluon_gemv as GG
 from . import gluon_kernels as GK
 from . import kernels as K_
 
@@ -97,6 +98,11 @@ class Config:
     # stages2 >= 4). Untuned plans set them by block size (``gluon_forms``)
     gluon: bool = False
     gluon2: bool = False
+    # the GEMV path on sm_90 only: gemv1 and gemv2 on mma.sync in Gluon (``gluon_gemv``), x quantized
+    # first (xq), 64-row tiles of 4 warps, one pass of bk1 / 64 64-element chunks a program (split1 =
+    # cdiv(cdiv(K, 64), bk1 / 64)) and of bk2 / 64 a slot's run (split2 = top_k * cdiv(cdiv(N, 64), bk2 / 64));
+    # untuned plans set it by ``gemv_mma_form`` (``mma_config``)
+    mma: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -340,10 +346,61 @@ def gemv_fused_status() -> str:
 def eager_form(cfg: "Config") -> "Config | None":
     """What a call of ``cfg``'s plan launches outside CUDA-graph capture where that differs from
     ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``; where ``cfg`` quantizes x in a launch
-    of its own, the one launch quantizes it on the fly with the same tiles), else None."""
+    of its own, the one launch quantizes it on the fly with the same tiles; the tl.dot kernels where
+    ``cfg`` runs them on mma.sync), else None."""
     if GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused:
-        return dataclasses.replace(cfg, fused=True, xq=False)
+        return dataclasses.replace(cfg, fused=True, xq=False, mma=False)
     return None
+
+
+# The GEMV path on mma.sync (``gluon_gemv``: both operands in registers, a program's loads first, the
+# weights' loads before the wait for the previous kernel) on sm_90 where the Gluon GEMMs run
+# (``gluon_status``). H200, whole op, CUDA-graph replay over 4 layers (``benchmarks/results/gemv_mma.md``,
+# the PDL table), us: at one token gpt-oss 35.4 -> 32.4, Qwen3 18.0 -> 15.7, DSv4 22.8 -> 22.8; at two
+# Qwen3 26.4 -> 24.5, DSv4 35.9 -> 35.2, but gpt-oss 53.7 -> 55.2 (its wide N: the tl.dot gemv2 is
+# faster there); at four tokens slower but on Qwen3 (42.5 -> 41.0). Chunks a program: 4 (256 K
+# elements) for gemv1, 2 at one token where K <= 2048 (Qwen3: 17.4 against 17.8 us); 4 for gemv2.
+GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
+GEMV_MMA_Q1, GEMV_MMA_Q1_SMALL_K, GEMV_MMA_Q2 = 4, 2, 4
+GEMV_MMA_SMALL_K = 2048
+
+
+def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
+    """The mma.sync GEMV's chunks a program ``(gemv1, gemv2)`` for an untuned plan of ``tokens`` tokens,
+    or None where the tl.dot GEMV is the default."""
+    g = geometry
+    if tokens > (1 if g.intermediate_size >= GEMV_XQ_WIDE_N else GEMV_MMA_TOKENS):
+        return None
+    q1 = GEMV_MMA_Q1_SMALL_K if tokens == 1 and g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_Q1
+    return q1, GEMV_MMA_Q2
+
+
+def mma_config(cfg: "Config", geometry, q1: int, q2: int) -> "Config":
+    """GEMV ``cfg`` on mma.sync (``Config.mma``) with ``q1``/``q2`` chunks a program."""
+    g = geometry
+    nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
+    return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
+                               split1=-(-nq1 // q1), bn2=64, bk2=64 * q2, warps2=4, stages2=1,
+                               split2=g.top_k * -(-nq2 // q2))
+
+
+def gemv_mma_status(device, ptx: bool = True) -> str:
+    """Whether GEMV plans on ``device`` run on mma.sync, and why (``b12x-ops info``)."""
+    on, why = gluon_status(device, ptx)
+    if not on:
+        return f"off: it runs where the Gluon GEMMs do, and they are {why}"
+    pdl = "with" if gemv_mma_pdl(device) else "without"
+    return (f"on: untuned plans of one token, or two where N < {GEMV_XQ_WIDE_N}, run gemv1 and gemv2 on mma.sync "
+            f"in Gluon, {pdl} programmatic dependent launch (B12X_OPS_TRITON_GLUON=0 turns it off with the Gluon GEMMs)")
+
+
+def gemv_mma_pdl(device) -> bool:
+    """Whether the mma.sync GEMV launches as programmatic dependent launches (its weights' loads before
+    the wait): where the GPU and triton have them, unless B12X_OPS_TRITON_PDL=0."""
+    if os.environ.get("B12X_OPS_TRITON_PDL") == "0" or INTERPRET or not K_.HAS_GDC:
+        return False
+    cc = _capability(device)
+    return cc is not None and cc[0] >= 9
 
 
 def _parts(steps: int, parts: int) -> int:
@@ -431,6 +488,8 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
         for g1 in t1:
             for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
+        if gluon:  # (sm_90: the GEMV on mma.sync, a few chunk counts)
+            out += [mma_config(d, geometry, q1, q2) for q1 in (2, 4) for q2 in (2, 4)]
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
@@ -605,6 +664,7 @@ class GeometryPlans:
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
         self.pdl = pdl_status(g.device)[0] if pdl is None else bool(pdl)
         self.gluon = False if dry else gluon_status(g.device, self.ptx)[0]  # (GLUON_GEMM1)
+        self.mma_pdl = gemv_mma_pdl(g.device)  # (the mma.sync GEMV's launches)
 
     # ---- per call
     def cap_for(self, m: int) -> int:
@@ -665,9 +725,9 @@ class GeometryPlans:
         elif kind == "gemm1" and cfg.fused:
             key = ("gemv_fused",) + cfg.tiles1() + cfg.tiles2()
         elif kind == "gemm1" and cfg.gemv:
-            key = ("gemv1",) + cfg.tiles1()
+            key = ("gemv1_mma" if cfg.mma else "gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
-            key = ("gemv2",) + cfg.tiles2()
+            key = ("gemv2_mma" if cfg.mma else "gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
             key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
         elif kind == "gemm1":
@@ -698,6 +758,19 @@ class GeometryPlans:
                                              NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"], QS=qs,
                                              ZERO_ACC=cfg.atomic),
                     p["warps"], 1)
+        elif cfg.gemv and cfg.mma:  # (gluon_gemv: the constexprs, then the layouts)
+            self._check_mma(cfg)
+            gm = dict(common, N=g.intermediate_size, E=g.num_experts, HAS_GS=g.has_global_scales, FOLD=self.fold)
+            if kind == "gemm1":
+                ln = Launch(GG.gemv1_mma_kernel, dict(gm, UP_FIRST=g.w13_layout == "w13",
+                                                      HAS_LIMIT=g.swiglu_limit is not None, BN=cfg.bn1,
+                                                      Q=cfg.bk1 // 64, SPLIT=cfg.split1,
+                                                      **GG.layouts(cfg.warps1, True)),
+                            cfg.warps1, 1, pdl=self.mma_pdl)
+            else:
+                ln = Launch(GG.gemv2_mma_kernel, dict(gm, BN=cfg.bn2, Q=cfg.bk2 // 64, KP=cfg.split2 // g.top_k,
+                                                      **GG.layouts(cfg.warps2, False)),
+                            cfg.warps2, 1, pdl=self.mma_pdl)
         elif cfg.gemv:  # (gemv1, gemv2, or both as one launch)
             st1, st2 = _stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)
             gv = dict(common, N=g.intermediate_size, E=g.num_experts, HAS_GS=g.has_global_scales,
@@ -749,6 +822,19 @@ class GeometryPlans:
                              f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]} and an even "
                              f"{st_name} >= 4)")
 
+    def _check_mma(self, cfg: Config) -> None:
+        """The mma.sync GEMV's requirements (``gluon_gemv``), before anything compiles."""
+        g = self.geometry
+        nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
+        q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
+        ok = (self.ptx and GG.HAS_GLUON_MMA and cfg.xq and not cfg.fused and cfg.bn1 % 32 == 0 and cfg.bn2 % 16 == 0
+              and cfg.bk1 % 64 == 0 and cfg.bk2 % 64 == 0 and q1 >= 1 and q2 >= 1
+              and cfg.split1 == -(-nq1 // q1) and cfg.split2 == g.top_k * -(-nq2 // q2))
+        if not ok:
+            raise ValueError(f"b12x_ops triton backend: no mma.sync GEMV for {cfg} (it needs the inline-PTX decode, "
+                             "triton's Gluon, x quantized first, bn1 a multiple of 32, bn2 of 16, bk1 and bk2 of 64, "
+                             "and the splits of mma_config)")
+
     def reserve(self, cap: int, cfg: Config) -> None:
         g = self.geometry
         a = self.arena
@@ -764,10 +850,11 @@ class GeometryPlans:
                 a.need("xq", cap * g.hidden_size, self.act_dtype)
             t1, t2 = S * -(-g.intermediate_size // cfg.bn1), cap * -(-g.hidden_size // cfg.bn2)
             a.need("act", S * g.intermediate_size, self.act_dtype)
-            a.need("part1", t1 * cfg.split1 * 2 * cfg.bn1 if cfg.split1 > 1 else 1, torch.float32)
-            a.need("part2", t2 * cfg.split2 * 2 * cfg.bn2 if cfg.split2 > 1 else 1, torch.float32)
+            # (the mma.sync GEMV's programs store their sums and count themselves in even unsplit)
+            a.need("part1", t1 * cfg.split1 * 2 * cfg.bn1 if cfg.split1 > 1 or cfg.mma else 1, torch.float32)
+            a.need("part2", t2 * cfg.split2 * 2 * cfg.bn2 if cfg.split2 > 1 or cfg.mma else 1, torch.float32)
             a.need("cnt1", t1 if cfg.split1 > 1 else 1, torch.int32, zeroed=True)  # (reset by the kernels)
-            a.need("cnt2", t2 if cfg.split2 > 1 else 1, torch.int32, zeroed=True)
+            a.need("cnt2", t2 if cfg.split2 > 1 or cfg.mma else 1, torch.int32, zeroed=True)
             if cfg.fused:  # tickets, finished gemv2 programs, gemv1 programs done a token
                 a.need("sync", 2 + cap, torch.int32, zeroed=True)
             return
@@ -789,11 +876,16 @@ class GeometryPlans:
         else:
             a.need("slots", S * g.hidden_size, torch.float32)
 
-    def with_gluon(self, cfg: Config) -> Config:
+    def with_gluon(self, cfg: Config, tokens: int | None = None) -> Config:
         """``cfg`` with its GEMMs in Gluon where this GPU takes them, in the forms of its block size
-        (``gluon_forms``): what an untuned plan runs (a tuned one runs what the tuner timed fastest,
+        (``gluon_forms``), and a GEMV plan for ``tokens`` tokens on mma.sync where ``gemv_mma_form`` says
+        so: what an untuned plan runs (a tuned one runs what the tuner timed fastest,
         ``candidate_configs(..., gluon=True)``)."""
-        if not self.gluon or cfg.gemv or cfg.gluon or cfg.gluon2:
+        if cfg.gemv:
+            form = None if not self.gluon or tokens is None or cfg.mma or cfg.fused else gemv_mma_form(
+                tokens, self.geometry)
+            return cfg if form is None else mma_config(cfg, self.geometry, *form)
+        if not self.gluon or cfg.gluon or cfg.gluon2:
             return cfg
         f1, f2 = gluon_forms(cfg.bm, self.geometry.intermediate_size)
         if f1 is not None:
@@ -822,9 +914,10 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 14, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 15, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 14 block sizes and the GEMV path compared by the whole call's time; 13 the tuner's totals
+    # (the version: 15 the GEMV on mma.sync among the candidates; 14 block sizes and the GEMV path compared by
+    # the whole call's time; 13 the tuner's totals
     # with routing and finalize, timed from a cold L2; 12 GEMM2's 128-row tile; 11 the half tiles)
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
     return os.path.join(directory, f"triton-plans-{h}.json")
