@@ -39,7 +39,7 @@ try:
 except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON_MMA = False
 
-from .kernels import _swiglu, f32_to_half_bits, half_bits_to_f32, local_expert, split_col
+from .kernels import _swiglu, f32_to_half_bits, gemv_program, half_bits_to_f32, local_expert, split_col
 from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON_MMA:
@@ -164,11 +164,7 @@ if HAS_GLUON_MMA:
         tile, x's row read from ``xq``. Every part stores its sums at its place in the tile's ``part``
         rows (``SPLIT`` of ``2 BN``) and counts itself in at ``cnt`` (zero between calls; unused for
         one part); the last adds them in part order, applies SwiGLU and MXFP8 and writes row b of ``a``."""
-        pid = gl.program_id(0)
-        b = pid % S
-        rest = pid // S
-        part = rest % SPLIT
-        pid_n = rest // SPLIT
+        b, part, pid_n = gemv_program(gl.program_id(0), S, SPLIT)
         m = b // TOPK
         gid = gl.load(ids_ptr + m.to(gl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(gl.int64)
         e, ours = local_expert(gid, expert_offset, E)
@@ -243,11 +239,7 @@ if HAS_GLUON_MMA:
         NQ: gl.constexpr = (N // 2 + 31) // 32
         NS: gl.constexpr = N // 32
         NT: gl.constexpr = (K + BN - 1) // BN
-        pid = gl.program_id(0)
-        m = pid % M
-        rest = pid // M
-        part = rest % SPLIT
-        pid_n = rest // SPLIT
+        m, part, pid_n = gemv_program(gl.program_id(0), M, SPLIT)
         j = part // KP
         m64 = m.to(gl.int64)
         gid = gl.load(ids_ptr + m64 * stride_im + j * stride_ik).to(gl.int64)

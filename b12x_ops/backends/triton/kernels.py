@@ -647,6 +647,15 @@ def _last_of_split(part_ptr, cnt_ptr, part, u, v, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def gemv_program(pid, rows, SPLIT: tl.constexpr):
+    """A GEMV program's ``(row, part, N tile)`` from its id: rows (gemv1's slots, gemv2's tokens)
+    fastest, then the ``SPLIT`` parts, then the tiles (the grid ``rows x SPLIT x tiles`` the Runner
+    launches; the mma.sync GEMV's too, ``gluon_gemv``)."""
+    rest = pid // rows
+    return pid % rows, rest % SPLIT, rest // SPLIT
+
+
+@triton.jit
 def _column0(v, DOT_DTYPE: tl.constexpr):
     """``[BKH]`` values as the ``[BKH, 16]`` MMA operand whose column 0 they are (the rest zeros)."""
     col = tl.arange(0, 16)
@@ -685,10 +694,7 @@ def _gemv1_program(
     STAGES: tl.constexpr,
 ):
     """gemv1's program ``pid`` (``gemv1_kernel``; also a role of ``gemv_fused_kernel``)."""
-    b = pid % S
-    rest = pid // S
-    part = rest % SPLIT
-    pid_n = rest // SPLIT
+    b, part, pid_n = gemv_program(pid, S, SPLIT)
     m = b // TOPK
     gid = tl.load(ids_ptr + m.to(tl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(tl.int64)
     e, ours = local_expert(gid, expert_offset, E)
@@ -843,10 +849,7 @@ def _gemv2_program(
     SPLIT: tl.constexpr, STAGES: tl.constexpr,
 ):
     """gemv2's program ``pid`` (``gemv2_kernel``; also a role of ``gemv_fused_kernel``)."""
-    m = pid % M
-    rest = pid // M
-    part = rest % SPLIT
-    pid_n = rest // SPLIT
+    m, part, pid_n = gemv_program(pid, M, SPLIT)
     offs_o = pid_n * BN + tl.arange(0, BN)
     ovalid = offs_o < K
     KP: tl.constexpr = SPLIT // TOPK if SPLIT % TOPK == 0 else 1  # runs of N steps a slot
