@@ -241,11 +241,12 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
         for bad in (dict(split1=got.split1 + 1), dict(xq=False), dict(bk2=96), dict(split2=got.split2 - 1)):
             with pytest.raises(ValueError, match="no mma.sync GEMV"):
                 gp.stages(dataclasses.replace(got, **bad), tokens)
-    # the tuner: with Gluon, four mma.sync forms beside the tl.dot GEMV tiles, a group of their own
+    # the tuner: with Gluon, eight mma.sync forms beside the tl.dot GEMV tiles, a group of their own
     plain = P.candidate_configs(1, g, None)
     cands = P.candidate_configs(1, g, None, gluon=True)
     mma = [c for c in cands if c.mma]
-    assert not any(c.mma for c in plain) and len(mma) == 4 and all(c.gemv and c.xq for c in mma)
+    assert not any(c.mma for c in plain) and len(mma) == 8 and all(c.gemv for c in mma)
+    assert sum(c.xq for c in mma) == 4  # (x quantized first, and in gemv1's programs)
     for c in mma:
         gp.stages(c, 1)  # (passes _check_mma)
 

@@ -1,0 +1,60 @@
+"""Experiment: the GEMV path's forms on mma.sync (``gluon_gemv``) against the tl.dot GEMV, whole op.
+
+Per geometry and token count: the tl.dot GEMV's default plan, then each mma.sync form
+``q1/q2/xq`` (gemv1's and gemv2's 64-element chunks a program; ``xq`` 1: x quantized by a launch of its
+own first, 0: in gemv1's programs), us per layer from CUDA-graph replay over 4 layers, each form's
+output against the tl.dot plan's:
+
+    python benchmarks/experiments/gemv_mma_forms.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2 2/4/1,2/4/0,4/4/1,4/4/0
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def main():
+    import torch
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import plan as P
+    from bench_moe import GEOMETRIES, experiment_handles, graph_time, layer_batches, rel_l2
+
+    names = sys.argv[1].split(",")
+    sizes = [int(m) for m in sys.argv[2].split(",")]
+    forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [(2, 4, 1)]
+    for name in names:
+        geo = GEOMETRIES[name]
+        hs = experiment_handles(name, max(sizes), layers=4)
+        gp = hs[0]._state.plans
+        for M in sizes:
+            xs, idss, wss, outs = layer_batches(M, geo["E"], geo["K"], geo["top_k"], len(hs))
+            base = P.default_config(M, gp.geometry, gemv=True)
+
+            def whole(cfg):
+                gp.reserve(M, cfg)
+                return graph_time([lambda h=h, x=x, i=i, w=w, o=o: _launch_all(h._state, cfg, x, i, w, o)
+                                   for h, x, i, w, o in zip(hs, xs, idss, wss, outs)], reps=20) * 1e6
+
+            t0 = whole(base)
+            want = outs[0].clone()
+            print(f"{name} M={M}: tl.dot GEMV {base.tiles1()} / {base.tiles2()}: {t0:.1f} us/layer", flush=True)
+            for q1, q2, xq in forms:
+                label = f"mma.sync {q1}/{q2}/{xq}"
+                try:
+                    cfg = P.mma_config(base, gp.geometry, q1, q2, bool(xq))
+                    t = whole(cfg)
+                    print(f"  {label}: {t:.1f} us/layer ({t / t0:.3f}); output rel L2 {rel_l2(outs[0], want):.1e} "
+                          "from the tl.dot GEMV's", flush=True)
+                except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
+                    print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-500:]}", flush=True)
+        hs = None  # (let the geometry's handles go before the next)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
