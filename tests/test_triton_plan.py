@@ -238,7 +238,7 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
             assert list(ln._full_args(args)) == [ln.constexprs[n] if n in ln.constexprs else next(rest)
                                                  for n in ln.fn.arg_names]
         assert launches[1].constexprs["Q"] == q1 and launches[2].constexprs["KP"] == kp
-        for bad in (dict(split1=got.split1 + 1), dict(xq=False), dict(bk2=96), dict(split2=got.split2 - 1)):
+        for bad in (dict(split1=got.split1 + 1), dict(bn1=48), dict(bk2=96), dict(split2=got.split2 - 1)):
             with pytest.raises(ValueError, match="no mma.sync GEMV"):
                 gp.stages(dataclasses.replace(got, **bad), tokens)
     # the tuner: with Gluon, eight mma.sync forms beside the tl.dot GEMV tiles, a group of their own
