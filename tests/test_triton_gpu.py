@@ -335,7 +335,7 @@ def test_gpu_gemv_split_matches_reference_and_is_deterministic(name):
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-30b-a3b", "dsv4-tp4", "odd-3x96", "odd-ep"])
 def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     """The GEMV on mma.sync (``gluon_gemv``; sm_90), its programs of 1, 2 and 4 chunks (K and N tails of
-    half a chunk in the odd layers), x quantized first or in gemv1's programs, 1-4 tokens with padding, other ranks' ids, both W13 layouts, the
+    half a chunk in the odd layers), 1-4 tokens with padding, other ranks' ids, both W13 layouts, the
     limit and the global scales: against the reference and the tl.dot GEMV with x quantized first
     (the same products; the fp32 sums split at other points), bit-identical over 20 runs, the counts
     back at zero after each call, and under CUDA-graph replay with new inputs; an untuned plan of one
@@ -353,10 +353,10 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     st = h._state
     g = st.plans.geometry
     assert st.plans.configs[1].mma and st.plans.mma_pdl
-    for q1, q2, xq in ((2, 4, True), (4, 2, False), (1, 1, True), (2, 2, False)):
+    for q1, q2 in ((2, 4), (4, 2), (1, 1)):
         for i, M in enumerate((1, 2, 4)):
             base = P.default_config(M, g, gemv=True)
-            cfg = P.mma_config(base, g, q1, q2, xq)
+            cfg = P.mma_config(base, g, q1, q2)
             tl_cfg = dataclasses.replace(base, xq=True)
             for c in (cfg, tl_cfg):
                 st.plans.reserve(M, c)
@@ -366,7 +366,7 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
             _launch_all(st, tl_cfg, x, ids, w, dot)
             out = torch.full_like(x, float("nan"))
             _launch_all(st, cfg, x, ids, w, out)
-            what = (name, q1, q2, xq, M)
+            what = (name, q1, q2, M)
             assert rel_l2(out, want) <= 1e-2, (what, rel_l2(out, want))
             assert rel_l2(out, dot) <= 1e-3, (what, rel_l2(out, dot))
             first = out.clone()

@@ -1,11 +1,13 @@
 """Experiment: the GEMV path's forms on mma.sync (``gluon_gemv``) against the tl.dot GEMV, whole op.
 
-Per geometry and token count: the tl.dot GEMV's default plan, then each mma.sync form
-``q1/q2/xq`` (gemv1's and gemv2's 64-element chunks a program; ``xq`` 1: x quantized by a launch of its
-own first, 0: in gemv1's programs), us per layer from CUDA-graph replay over 4 layers, each form's
-output against the tl.dot plan's:
+Per geometry and token count: the tl.dot GEMV's default plan, then each mma.sync form ``q1/q2``
+(gemv1's and gemv2's 64-element chunks a program), us per layer from CUDA-graph replay over 4
+layers, each form's output against the tl.dot plan's:
 
-    python benchmarks/experiments/gemv_mma_forms.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2 2/4/1,2/4/0,4/4/1,4/4/0
+    python benchmarks/experiments/gemv_mma_forms.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2 2/4,4/4
+
+(At a73717c it also took a third field, gemv1 quantizing x in its programs instead of after x's own
+launch: no faster, removed again; ``benchmarks/results/gemv_mma.md``.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def main():
 
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
-    forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [(2, 4, 1)]
+    forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [(2, 4)]
     for name in names:
         geo = GEOMETRIES[name]
         hs = experiment_handles(name, max(sizes), layers=4)
@@ -43,10 +45,10 @@ def main():
             t0 = whole(base)
             want = outs[0].clone()
             print(f"{name} M={M}: tl.dot GEMV {base.tiles1()} / {base.tiles2()}: {t0:.1f} us/layer", flush=True)
-            for q1, q2, xq in forms:
-                label = f"mma.sync {q1}/{q2}/{xq}"
+            for q1, q2 in forms:
+                label = f"mma.sync {q1}/{q2}"
                 try:
-                    cfg = P.mma_config(base, gp.geometry, q1, q2, bool(xq))
+                    cfg = P.mma_config(base, gp.geometry, q1, q2)
                     t = whole(cfg)
                     print(f"  {label}: {t:.1f} us/layer ({t / t0:.3f}); output rel L2 {rel_l2(outs[0], want):.1e} "
                           "from the tl.dot GEMV's", flush=True)

@@ -374,7 +374,11 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
         if cfg.xq and "prologue" in stages:
             ln = rn.prologue
             ln((m, rn.xquant_tiles, 1), _as(x, _I16, ln), a["xq"], m, x.stride(0), x_fp16)
-        if "gemm1" in stages:  # (kernels.gemv1_kernel, or gluon_gemv.gemv1_mma_kernel: the same arguments)
+        if "gemm1" in stages and cfg.mma:  # (gluon_gemv: x's quantized row from xq)
+            ln = rn.gemm1
+            ln((S * rn.n_tiles1, 1, 1), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
+               a["part1"], a["cnt1"], S, si0, si1, state.expert_offset, state.limit)
+        elif "gemm1" in stages:
             ln = rn.gemm1
             ln((S * rn.n_tiles1, 1, 1),
                _as(x, _I16, ln), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],

@@ -58,9 +58,8 @@ if HAS_GLUON_MMA:
                    b_l=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                    code_l=gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [nw, 1, 1, 1], [3, 2, 1, 0]), p7=p7,
                    s5_l=gl.SliceLayout(4, gl.SliceLayout(6, p7)))
-        if gemv1:  # (and ``xb_l``: x's raw chunk ``[2, 32]``, a thread an even/odd pair)
-            return dict(out, q_l=gl.BlockedLayout([1, 1], [1, 32], [nw, 1], [1, 0]),
-                        xb_l=gl.BlockedLayout([1, 2], [2, 16], [nw, 1], [1, 0]))
+        if gemv1:
+            return dict(out, q_l=gl.BlockedLayout([1, 1], [1, 32], [nw, 1], [1, 0]))
         return dict(out, o_l=gl.BlockedLayout([1], [32], [nw], [0]))
 
     @gluon.jit
@@ -130,22 +129,6 @@ if HAS_GLUON_MMA:
         return xs
 
     @gluon.jit
-    def _quantized_chunk(x_row, qq, x_fp16, RED: gl.constexpr, xb_l: gl.constexpr, b_l: gl.constexpr):
-        """Chunk ``qq`` of x's row (16-bit words; ``x_fp16`` as ``kernels.xquant_kernel``) quantized to
-        MXFP8 here, with ``xquant_kernel``'s arithmetic, as the B fragments ``(even, odd)`` (column 0)."""
-        r = gl.arange(0, 2, layout=gl.SliceLayout(1, xb_l))
-        c = gl.arange(0, 32, layout=gl.SliceLayout(0, xb_l))
-        k = 64 * qq + 32 * r[:, None] + c[None, :]
-        v = half_bits_to_f32(gl.load(x_row + k, mask=k < RED, other=0), x_fp16)
-        pow2, inv = mxfp8_block_scale(gl.max(gl.abs(v), axis=1))
-        even, odd = gl.split(gl.reshape(mxfp8_apply(v, pow2[:, None], inv[:, None]), (2, 16, 2)))
-        n_b = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
-        xe = gl.convert_layout(gl.reshape(even, (32,)), gl.SliceLayout(1, b_l))  # (byte column 16 s + h)
-        xo = gl.convert_layout(gl.reshape(odd, (32,)), gl.SliceLayout(1, b_l))
-        return (gl.where((n_b == 0)[None, :], xe[:, None], 0.0).to(gl.bfloat16),
-                gl.where((n_b == 0)[None, :], xo[:, None], 0.0).to(gl.bfloat16))
-
-    @gluon.jit
     def _chunk_mma(codes, scales, xe, xo, acc, R: gl.constexpr, FOLD: gl.constexpr, a_l: gl.constexpr,
                    p7: gl.constexpr):
         """One 64-element chunk: its ``[G, 1, 32, 16]`` codes decoded with their scale bytes into the A
@@ -166,27 +149,21 @@ if HAS_GLUON_MMA:
         acc = mma_v2(gl.convert_layout(we, a_l, assert_trivial=True), xe, acc)
         return mma_v2(gl.convert_layout(wo, a_l, assert_trivial=True), xo, acc)
 
-    @gluon.jit(do_not_specialize=("S", "stride_xm", "stride_im", "stride_ik", "expert_offset", "x_fp16"),
-               do_not_specialize_on_alignment=("x_ptr", "ids_ptr"))
+    @gluon.jit(do_not_specialize=("S", "stride_im", "stride_ik", "expert_offset"),
+               do_not_specialize_on_alignment=("ids_ptr",))
     def gemv1_mma_kernel(
-        x_ptr, xq_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr, S, stride_xm, stride_im, stride_ik,
-        expert_offset, x_fp16, limit,
+        xq_ptr, ids_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr, S, stride_im, stride_ik, expert_offset,
+        limit,
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, E: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BN: gl.constexpr, Q: gl.constexpr, SPLIT: gl.constexpr,
-        FOLD: gl.constexpr, XQ: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr,
-        code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, q_l: gl.constexpr, xb_l: gl.constexpr,
-        PDL: gl.constexpr = False,
+        FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, code_l: gl.constexpr,
+        p7: gl.constexpr, s5_l: gl.constexpr, q_l: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """Program (slot b, tile of BN columns, part of Q 64-element chunks of K; ``BN / 16`` row groups
         of up, then as many of gate, ``layouts(nw, True)``): ``kernels.gemv1_kernel``'s activations of the
-        tile (its arguments). With ``XQ`` x's row comes quantized from ``xq`` (``kernels.xquant_kernel``,
-        the launch before), read after the wait for it (the weights' loads before); else each program
-        quantizes its chunks of x itself, and the wait comes first (the caller's kernels write x and
-        the ids). Every part stores its sums at its place in the tile's ``part`` rows (``SPLIT`` of
-        ``2 BN``) and counts itself in at ``cnt`` (zero between calls; unused for one part); the last
-        adds them in part order, applies SwiGLU and MXFP8 and writes row b of ``a``."""
-        if not XQ:
-            _gdc(PDL)
+        tile, x's row read from ``xq``. Every part stores its sums at its place in the tile's ``part``
+        rows (``SPLIT`` of ``2 BN``) and counts itself in at ``cnt`` (zero between calls; unused for
+        one part); the last adds them in part order, applies SwiGLU and MXFP8 and writes row b of ``a``."""
         b, part, pid_n = gemv_program(gl.program_id(0), S, SPLIT)
         m = b // TOPK
         gid = gl.load(ids_ptr + m.to(gl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(gl.int64)
@@ -208,13 +185,8 @@ if HAS_GLUON_MMA:
                 w_ptr + e * (2 * N * NQ * 32), s_ptr + e * (2 * N * KS), gl.where(g_c < GH, UP0, GATE0) + row0_c,
                 row0_c < N, gl.where(g_s < GH, UP0, GATE0) + row0_s, row0_s < N, K, code_l, s5_l)
             codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, q0, K, Q)
-            if XQ:
-                _gdc(PDL)
-                xs = _load_row(xq_ptr + m.to(gl.int64) * K, q0, K, Q, b_l)
-            else:
-                xs = ()
-                for q in gl.static_range(Q):
-                    xs = xs + (_quantized_chunk(x_ptr + m.to(gl.int64) * stride_xm, q0 + q, x_fp16, K, xb_l, b_l),)
+            _gdc(PDL)
+            xs = _load_row(xq_ptr + m.to(gl.int64) * K, q0, K, Q, b_l)
             acc = gl.zeros([R, 8], gl.float32, layout=mma)
             for q in gl.static_range(Q):
                 acc = _chunk_mma(codes[q], scales[q], xs[q][0], xs[q][1], acc, R, FOLD, a_l, p7)

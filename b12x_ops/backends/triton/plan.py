@@ -375,12 +375,11 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     return q1, GEMV_MMA_Q2
 
 
-def mma_config(cfg: "Config", geometry, q1: int, q2: int, xq: bool = True) -> "Config":
-    """GEMV ``cfg`` on mma.sync (``Config.mma``) with ``q1``/``q2`` chunks a program, x quantized first
-    (``xq``) or in gemv1's programs."""
+def mma_config(cfg: "Config", geometry, q1: int, q2: int) -> "Config":
+    """GEMV ``cfg`` on mma.sync (``Config.mma``) with ``q1``/``q2`` chunks a program."""
     g = geometry
     nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
-    return dataclasses.replace(cfg, mma=True, xq=xq, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
+    return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
                                split1=-(-nq1 // q1), bn2=64, bk2=64 * q2, warps2=4, stages2=1,
                                split2=g.top_k * -(-nq2 // q2))
 
@@ -490,7 +489,7 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
             for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
         if gluon:  # (sm_90: the GEMV on mma.sync, a few chunk counts)
-            out += [mma_config(d, geometry, q1, q2, xq) for q1 in (2, 4) for q2 in (2, 4) for xq in (True, False)]
+            out += [mma_config(d, geometry, q1, q2) for q1 in (2, 4) for q2 in (2, 4)]
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
@@ -765,7 +764,7 @@ class GeometryPlans:
             if kind == "gemm1":
                 ln = Launch(GG.gemv1_mma_kernel, dict(gm, UP_FIRST=g.w13_layout == "w13",
                                                       HAS_LIMIT=g.swiglu_limit is not None, BN=cfg.bn1,
-                                                      Q=cfg.bk1 // 64, SPLIT=cfg.split1, XQ=cfg.xq,
+                                                      Q=cfg.bk1 // 64, SPLIT=cfg.split1,
                                                       **GG.layouts(cfg.warps1, True)),
                             cfg.warps1, 1, pdl=self.mma_pdl)
             else:
@@ -828,12 +827,12 @@ class GeometryPlans:
         g = self.geometry
         nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
         q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
-        ok = (self.ptx and GG.HAS_GLUON_MMA and not cfg.fused and cfg.bn1 % 32 == 0 and cfg.bn2 % 16 == 0
+        ok = (self.ptx and GG.HAS_GLUON_MMA and cfg.xq and not cfg.fused and cfg.bn1 % 32 == 0 and cfg.bn2 % 16 == 0
               and cfg.bk1 % 64 == 0 and cfg.bk2 % 64 == 0 and q1 >= 1 and q2 >= 1
               and cfg.split1 == -(-nq1 // q1) and cfg.split2 == g.top_k * -(-nq2 // q2))
         if not ok:
             raise ValueError(f"b12x_ops triton backend: no mma.sync GEMV for {cfg} (it needs the inline-PTX decode, "
-                             "triton's Gluon, bn1 a multiple of 32, bn2 of 16, bk1 and bk2 of 64, "
+                             "triton's Gluon, x quantized first, bn1 a multiple of 32, bn2 of 16, bk1 and bk2 of 64, "
                              "and the splits of mma_config)")
 
     def reserve(self, cap: int, cfg: Config) -> None:
