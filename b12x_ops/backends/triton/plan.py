@@ -355,10 +355,11 @@ def eager_form(cfg: "Config") -> "Config | None":
 
 # The GEMV path on mma.sync (``gluon_gemv``: both operands in registers, a program's loads first, the
 # weights' loads before the wait for the previous kernel) on sm_90 where the Gluon GEMMs run
-# (``gluon_status``). H200, whole op, CUDA-graph replay over 4 layers (``benchmarks/results/gemv_mma.md``,
-# the PDL table), us: at one token gpt-oss 35.4 -> 32.4, Qwen3 18.0 -> 15.7, DSv4 22.8 -> 22.8; at two
-# Qwen3 26.4 -> 24.5, DSv4 35.9 -> 35.2, but gpt-oss 53.7 -> 55.2 (its wide N: the tl.dot gemv2 is
-# faster there); at four tokens slower but on Qwen3 (42.5 -> 41.0). Chunks a program: 4 (256 K
+# (``gluon_status``). H200, whole op, CUDA-graph replay over 4 layers (``benchmarks/results/gemv_mma.md``),
+# us, tl.dot GEMV -> mma.sync in the same call: at one token gpt-oss 35.4 -> 32.4 and 36.0 -> 32.2,
+# Qwen3 18.0 -> 15.7, 17.9 -> 16.9 and 17.3 -> 17.0 (three calls), DSv4 22.8 -> 22.8 and 23.2 -> 22.5;
+# at two Qwen3 26.4 -> 24.5, DSv4 35.9 -> 35.2, but gpt-oss 53.7 -> 55.2 (its wide N: the tl.dot gemv2
+# is faster there); at four tokens slower but on Qwen3 (42.5 -> 41.0). Chunks a program: 4 (256 K
 # elements) for gemv1, 2 at one token where K <= 2048 (Qwen3: 17.4 against 17.8 us); 4 for gemv2.
 GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
 GEMV_MMA_Q1, GEMV_MMA_Q1_SMALL_K, GEMV_MMA_Q2 = 4, 2, 4
