@@ -15,15 +15,19 @@ registers. Here:
   columns are zeros, so a row's sum is its accumulator row's sum (adding zeros: exact), and no
   barrier runs before the epilogue;
 * **the weights' loads come before the wait for the previous kernel** (programmatic dependent launch,
-  sm_90). Nothing earlier in the stream writes the codes, the scale bytes, the ids or the router
-  weights. Only x's quantized row (gemv1) and the activations (gemv2) are read after the wait,
-  together with every write. So a kernel's HBM reads overlap its predecessor's tail;
+  sm_90). They read nothing a kernel of this op writes: the codes and scale bytes are constants, and
+  the caller wrote the ids and router weights before x's quantizing launch, which does not let gemv1
+  start before it has itself waited for the caller's kernels (gemv2 follows gemv1 the same way). x's
+  quantized row (gemv1) and the activations (gemv2) are read after the wait, and every write comes
+  after it. So a kernel's HBM reads overlap its predecessor's tail;
 * **the parts are added in part order** by the last of a tile's programs to finish, as in the
   package's split-K handshake (``kernels._last_of_split``); gemv2 adds in (slot, run) order.
 
-gemv1 writes the tl.dot gemv1's activations bit for bit (H200: every form, 1-4 tokens, three
-geometries; ``benchmarks/results/gemv_mma.md``). gemv2's sums split the reduction at other
-points, so its output may differ from the tl.dot gemv2's in the last bit of a few values.
+gemv1 wrote the tl.dot gemv1's activations bit for bit in every form measured (H200, 1-4 tokens, three
+geometries; ``benchmarks/results/gemv_mma.md``), but its fp32 sums are not ordered as the wgmma's in
+general. gemv2's sums split the reduction at other points, so its output may differ from the tl.dot
+gemv2's in the last bit of a few values. (``tests/test_triton_gpu.py`` bounds both against the reference
+and the tl.dot GEMV.)
 
 Plans take these kernels on sm_90 where ``plan.gemv_mma_form`` says so (``Config.mma``). x is then
 quantized by its own launch first (``kernels.xquant_kernel``).
