@@ -47,9 +47,8 @@ if GK.HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from b12x_ops.backends.triton.gluon_kernels import _cp_async, _gemm2_epilogue, _tile_index, _to_operand
+    from b12x_ops.backends.triton.gluon_kernels import _cp_async, _decode_operands, _gemm2_epilogue, _tile_index
     from b12x_ops.backends.triton.kernels import _block_tile
-    from b12x_ops.backends.triton.mxtl import _DECODE_PTX, _DECODE_PTX_FOLD
 
     # the producer warp's registers (its partition is allocated a warpgroup's worth: 4 x 32 x this);
     # with ``maxnreg`` 168 and 8 consumer warps that leaves the consumers 208 a thread
@@ -180,26 +179,13 @@ if GK.HAS_GLUON:
         wo_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
         we_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
         wo_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
-        ASM: gl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
         X2_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
         for kk in range((NSTEP + STAGES - 1) // STAGES):
             for s in gl.static_range(STAGES):
                 k0 = (kk * STAGES + s) * BK
                 bufs = ring[s]
                 mbarrier.wait(full[s], kk & 1)
-                t = _to_operand(bufs[0].load(code_l), G, Q, BN, BKH)
-                b = sb
-                if FOLD:
-                    b = b + 126
-                sc = (b << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)
-                sc = gl.expand_dims(gl.expand_dims(sc, 4), 6)
-                sc = gl.broadcast(sc, gl.full([G, Q, 32, 2, 2, 2, 2], 0, gl.bfloat16, layout=p7))[0]
-                sc = _to_operand(gl.reshape(sc, (G, Q, 32, 16)), G, Q, BN, BKH)
-                sc = gl.convert_layout(sc, t.type.layout, assert_trivial=True)
-                we, wo = gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r", [t, sc],
-                                                   dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-                we = gl.convert_layout(we, a_l, assert_trivial=True)
-                wo = gl.convert_layout(wo, a_l, assert_trivial=True)
+                we, wo = _decode_operands(bufs[0].load(code_l), sb, G, Q, BN, BKH, FOLD, a_l, p7)
                 kn = k0 + BK
                 sb = gl.load(s_src + kn // 32 + sblk, mask=s_ok & ((kn // 32 + sblk) < NS), other=0).to(gl.int32)
                 if ACT_TMA:

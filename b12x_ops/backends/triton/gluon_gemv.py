@@ -44,10 +44,10 @@ except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON_MMA = False
 
 from .kernels import _swiglu, f32_to_half_bits, gemv_program, half_bits_to_f32, local_expert, split_col
-from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
+from .mxtl import mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON_MMA:
-    from .gluon_kernels import _barrier, _to_operand
+    from .gluon_kernels import _barrier, _decode_operands, _tile_index
 
     def layouts(nw: int, gemv1: bool) -> dict:
         """A program of ``nw`` warps: ``mma`` the ``m16n8k16`` accumulator (a warp a 16-row group: groups
@@ -77,22 +77,18 @@ if HAS_GLUON_MMA:
                                       is_pure=False, pack=1)
 
     @gluon.jit
-    def _row_operands(w_e, s_e, grow_c, gok_c, grow_s, gok_s, RED: gl.constexpr, code_l: gl.constexpr,
-                      s5_l: gl.constexpr):
-        """Pointers and masks of chunk 0 of the 16-row groups whose first rows are ``grow_c`` (``gok_c``:
-        which exist; ``grow_s``/``gok_s`` the same in the scale bytes' layout) of a matrix with ``RED``
-        columns: ``[G, 1, 32, 16]`` codes, and ``[G, 1, 32, 2, 2]`` scale bytes of each lane's rows
-        (r0 = lane // 4 and r0 + 8) for the chunk's two 32-element blocks."""
+    def _row_operands(w_e, s_e, grow_c, gok_c, grow_s, gok_s, R: gl.constexpr, RED: gl.constexpr,
+                      code_l: gl.constexpr, s5_l: gl.constexpr):
+        """Pointers and masks of chunk 0 of the ``R / 16`` row groups whose first rows are ``grow_c``
+        (``gok_c``: which exist; ``grow_s``/``gok_s`` the same in the scale bytes' layout) of a matrix with
+        ``RED`` columns: ``[G, 1, 32, 16]`` codes, and ``[G, 1, 32, 2, 2]`` scale bytes of each lane's rows
+        (r0 = lane // 4 and r0 + 8) for the chunk's two 32-element blocks; and the blocks' index ``s_s``."""
         NQ: gl.constexpr = (RED // 2 + 31) // 32
         KS: gl.constexpr = RED // 32
-        l_c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, code_l))))
-        b_c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, code_l))))
+        _, _, l_c, b_c, _, _, l_s, s_s, h_s = _tile_index(R, 64, code_l, s5_l)
         c_src = (w_e + (grow_c // 16).to(gl.int64)[:, None, None, None] * (NQ * 512)
                  + (l_c * 16)[None, None, :, None] + b_c[None, None, None, :])
         c_ok = gok_c[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
-        l_s = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
-        s_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, s5_l)))))
-        h_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5_l)))))
         srow = (grow_s[:, None, None, None, None] + (l_s // 4)[None, None, :, None, None]
                 + 8 * h_s[None, None, None, None, :])
         s_src = s_e + srow * KS + s_s[None, None, None, :, None]
@@ -136,22 +132,10 @@ if HAS_GLUON_MMA:
     def _chunk_mma(codes, scales, xe, xo, acc, R: gl.constexpr, FOLD: gl.constexpr, a_l: gl.constexpr,
                    p7: gl.constexpr):
         """One 64-element chunk: its ``[G, 1, 32, 16]`` codes decoded with their scale bytes into the A
-        fragments in place, then its two MMAs (even elements, odd elements) into ``acc``."""
-        G: gl.constexpr = R // 16
-        t = _to_operand(codes, G, 1, R, 32)
-        sb = scales.to(gl.int32)
-        if FOLD:
-            sb = sb + 126
-        sc = (sb << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # (mxtl._ptx_scales)
-        sc = gl.expand_dims(gl.expand_dims(sc, 4), 6)
-        sc = gl.broadcast(sc, gl.full([G, 1, 32, 2, 2, 2, 2], 0, gl.bfloat16, layout=p7))[0]
-        sc = _to_operand(gl.reshape(sc, (G, 1, 32, 16)), G, 1, R, 32)
-        sc = gl.convert_layout(sc, t.type.layout, assert_trivial=True)
-        asm: gl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
-        we, wo = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [t, sc], dtype=(gl.bfloat16, gl.bfloat16),
-                                           is_pure=True, pack=4)
-        acc = mma_v2(gl.convert_layout(we, a_l, assert_trivial=True), xe, acc)
-        return mma_v2(gl.convert_layout(wo, a_l, assert_trivial=True), xo, acc)
+        fragments in place (``gluon_kernels._decode_operands``), then its two MMAs (even elements, odd
+        elements) into ``acc``."""
+        we, wo = _decode_operands(codes, scales.to(gl.int32), R // 16, 1, R, 32, FOLD, a_l, p7)
+        return mma_v2(wo, xo, mma_v2(we, xe, acc))
 
     @gluon.jit(do_not_specialize=("S", "stride_im", "stride_ik", "expert_offset"),
                do_not_specialize_on_alignment=("ids_ptr",))
@@ -174,20 +158,18 @@ if HAS_GLUON_MMA:
         e, ours = local_expert(gid, expert_offset, E)
         if ours:  # (padding and other ranks' slots: no work, no wait)
             R: gl.constexpr = 2 * BN
-            G: gl.constexpr = R // 16
             GH: gl.constexpr = BN // 16
             KS: gl.constexpr = K // 32
             NQ: gl.constexpr = (K // 2 + 31) // 32
             UP0: gl.constexpr = 0 if UP_FIRST else N
             GATE0: gl.constexpr = N if UP_FIRST else 0
             q0 = part * Q
-            g_c = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
-            g_s = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
+            g_c, _, _, _, g_s, _, _, _, _ = _tile_index(R, 64, code_l, s5_l)
             row0_c = pid_n * BN + 16 * (g_c % GH)  # (the group's first column)
             row0_s = pid_n * BN + 16 * (g_s % GH)
             c_src, c_ok, s_src, s_ok, s_s = _row_operands(
                 w_ptr + e * (2 * N * NQ * 32), s_ptr + e * (2 * N * KS), gl.where(g_c < GH, UP0, GATE0) + row0_c,
-                row0_c < N, gl.where(g_s < GH, UP0, GATE0) + row0_s, row0_s < N, K, code_l, s5_l)
+                row0_c < N, gl.where(g_s < GH, UP0, GATE0) + row0_s, row0_s < N, R, K, code_l, s5_l)
             codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, q0, K, Q)
             _gdc(PDL)
             xs = _load_row(xq_ptr + m.to(gl.int64) * K, q0, K, Q, b_l)
@@ -239,7 +221,6 @@ if HAS_GLUON_MMA:
         writes the token's output row (``kernels.gemv2_kernel``'s sum; the router weights and ``out``
         as its 16-bit words, ``w_kind`` and ``out_fp16`` as there)."""
         SPLIT: gl.constexpr = TOPK * KP
-        G: gl.constexpr = BN // 16
         NQ: gl.constexpr = (N // 2 + 31) // 32
         NS: gl.constexpr = N // 32
         NT: gl.constexpr = (K + BN - 1) // BN
@@ -248,16 +229,16 @@ if HAS_GLUON_MMA:
         m64 = m.to(gl.int64)
         gid = gl.load(ids_ptr + m64 * stride_im + j * stride_ik).to(gl.int64)
         e, ours = local_expert(gid, expert_offset, E)
-        # the weights' loads first (nothing for a slot not ours): no kernel writes them
-        g_c = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
-        g_s = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, s5_l)))))
+        # the weights' loads first (nothing for a slot not ours), before the wait: see the module's docstring
+        g_c, _, _, _, g_s, _, _, _, _ = _tile_index(BN, 64, code_l, s5_l)
         row0_c = pid_n * BN + 16 * g_c
         row0_s = pid_n * BN + 16 * g_s
         c_src, c_ok, s_src, s_ok, s_s = _row_operands(w_ptr + e * (K * NQ * 32), s_ptr + e * (K * NS), row0_c,
-                                                      (row0_c < K) & ours, row0_s, (row0_s < K) & ours, N, code_l,
+                                                      (row0_c < K) & ours, row0_s, (row0_s < K) & ours, BN, N, code_l,
                                                       s5_l)
         codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, (part % KP) * Q, N, Q)
-        # the router weight (int16 words: kind 0 fp32, two words; 1 bf16; 2 fp16)
+        # the router weight: ``kernels.load_weight_raw``'s arithmetic (its ``tl.zeros_like`` mask, which
+        # the interpreter needs, has no layout in Gluon)
         w_lo = gl.load(wts_ptr + m64 * stride_wm + j * stride_wk)
         w_hi = gl.load(wts_ptr + m64 * stride_wm + j * stride_wk + 1, mask=w_kind == 0, other=0)
         w32 = ((w_hi.to(gl.int32) << 16) | (w_lo.to(gl.int32) & 0xFFFF)).to(gl.float32, bitcast=True)

@@ -230,7 +230,21 @@ if HAS_GLUON:
         _barrier()
         _copies(k0 + D * BK, nxt, c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)
         async_copy.commit_group()
-        t = _to_operand(cur[0].load(code_l), G, Q, R, BKH)
+        we, wo = _decode_operands(cur[0].load(code_l), sb, G, Q, R, BKH, FOLD, a_l, p7)
+        kn = k0 + BK
+        sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
+        acc = warpgroup_mma(we, cur[1].permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(wo, cur[2].permute((1, 0)), acc, is_async=True)
+        return acc, sb, we, wo
+
+    @gluon.jit
+    def _decode_operands(codes, sb, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr,
+                         FOLD: gl.constexpr, a_l: gl.constexpr, p7: gl.constexpr):
+        """A loaded ``[G, Q, 32, 16]`` code tile and its int32 scale bytes ``[G, Q, 32, 2, 2]`` (a lane's rows
+        r0 and r0 + 8, a chunk's two blocks) decoded by ``mxtl``'s asm into the MMA's first operands
+        ``(even, odd)`` ``[R, BKH]`` in ``a_l`` (the wgmma's or mma.sync's: the same registers), every
+        conversion checked to move no data."""
+        t = _to_operand(codes, G, Q, R, BKH)
         b = sb
         if FOLD:
             b = b + 126
@@ -242,13 +256,7 @@ if HAS_GLUON:
         asm: gl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
         we, wo = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [t, sc], dtype=(gl.bfloat16, gl.bfloat16),
                                            is_pure=True, pack=4)
-        we = gl.convert_layout(we, a_l, assert_trivial=True)
-        wo = gl.convert_layout(wo, a_l, assert_trivial=True)
-        kn = k0 + BK
-        sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
-        acc = warpgroup_mma(we, cur[1].permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(wo, cur[2].permute((1, 0)), acc, is_async=True)
-        return acc, sb, we, wo
+        return gl.convert_layout(we, a_l, assert_trivial=True), gl.convert_layout(wo, a_l, assert_trivial=True)
 
     @gluon.jit
     def _x_rows(ptr, row, RED: gl.constexpr, BK: gl.constexpr, x_l: gl.constexpr):
