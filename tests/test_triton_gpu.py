@@ -353,7 +353,7 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     st = h._state
     g = st.plans.geometry
     assert st.plans.configs[1].mma and st.plans.mma_pdl
-    for q1, q2 in ((2, 4), (4, 2), (1, 1)):
+    for q1, q2 in ((2, 4), (4, 6), (1, 1)):
         for i, M in enumerate((1, 2, 4)):
             base = P.default_config(M, g, gemv=True)
             cfg = P.mma_config(base, g, q1, q2)

@@ -221,7 +221,8 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
             assert got == cfg
             continue
         q1, q2 = form
-        assert q1 == (2 if tokens == 1 and g.hidden_size <= 2048 else 4) and q2 == 4
+        assert q1 == (2 if tokens == 1 and g.hidden_size <= 2048 else 4)
+        assert q2 == (6 if g.intermediate_size <= 1024 else 4)
         assert got.gemv and got.xq and not got.fused and (got.bn1, got.bn2, got.warps1, got.warps2) == (64, 64, 4, 4)
         assert got.split1 * (got.bk1 // 64) >= nq1 > (got.split1 - 1) * (got.bk1 // 64)
         kp = got.split2 // g.top_k
@@ -241,11 +242,11 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
         for bad in (dict(split1=got.split1 + 1), dict(xq=False), dict(bk2=96), dict(split2=got.split2 - 1)):
             with pytest.raises(ValueError, match="no mma.sync GEMV"):
                 gp.stages(dataclasses.replace(got, **bad), tokens)
-    # the tuner: with Gluon, four mma.sync forms beside the tl.dot GEMV tiles, a group of their own
+    # the tuner: with Gluon, six mma.sync forms beside the tl.dot GEMV tiles, a group of their own
     plain = P.candidate_configs(1, g, None)
     cands = P.candidate_configs(1, g, None, gluon=True)
     mma = [c for c in cands if c.mma]
-    assert not any(c.mma for c in plain) and len(mma) == 4 and all(c.gemv and c.xq for c in mma)
+    assert not any(c.mma for c in plain) and len(mma) == 6 and all(c.gemv and c.xq for c in mma)
     for c in mma:
         gp.stages(c, 1)  # (passes _check_mma)
 

@@ -1,10 +1,12 @@
 """Experiment: the GEMV path's forms on mma.sync (``gluon_gemv``) against the tl.dot GEMV, whole op.
 
 Per geometry and token count: the tl.dot GEMV's default plan, then each mma.sync form ``q1/q2``
-(gemv1's and gemv2's 64-element chunks a program), us per layer from CUDA-graph replay over 4
-layers, each form's output against the tl.dot plan's:
+(gemv1's and gemv2's 64-element chunks a program; q1 = 0: the untuned plan's) or
+``q1/q2/bn1/warps1/bn2/warps2`` (also the programs' columns and warps; ``mma_config``'s are
+64/4/64/4), us per layer from CUDA-graph replay over 4 layers, each form's output against the
+tl.dot plan's; the forms are timed ``ROUNDS`` times in turn (default 1), all times printed:
 
-    python benchmarks/experiments/gemv_mma_forms.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2 2/4,4/4
+    python benchmarks/experiments/gemv_mma_forms.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2 2/4,4/4 [ROUNDS]
 
 (At a73717c it also took a third field, gemv1 quantizing x in its programs instead of after x's own
 launch: no faster, removed again; ``benchmarks/results/gemv_mma.md``.)
@@ -20,6 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def main():
+    import dataclasses
+
     import torch
 
     from b12x_ops.backends.triton import _launch_all
@@ -29,6 +33,7 @@ def main():
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
     forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [(2, 4)]
+    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for name in names:
         geo = GEOMETRIES[name]
         hs = experiment_handles(name, max(sizes), layers=4)
@@ -45,15 +50,22 @@ def main():
             t0 = whole(base)
             want = outs[0].clone()
             print(f"{name} M={M}: tl.dot GEMV {base.tiles1()} / {base.tiles2()}: {t0:.1f} us/layer", flush=True)
-            for q1, q2 in forms:
-                label = f"mma.sync {q1}/{q2}"
-                try:
-                    cfg = P.mma_config(base, gp.geometry, q1, q2)
-                    t = whole(cfg)
-                    print(f"  {label}: {t:.1f} us/layer ({t / t0:.3f}); output rel L2 {rel_l2(outs[0], want):.1e} "
-                          "from the tl.dot GEMV's", flush=True)
-                except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
-                    print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-500:]}", flush=True)
+            times = {}
+            for r in range(rounds):
+                for form in forms:
+                    label = "mma.sync " + "/".join(map(str, form))
+                    try:
+                        q1 = form[0] or P.gemv_mma_form(1, gp.geometry)[0]
+                        cfg = P.mma_config(base, gp.geometry, q1, form[1])
+                        if len(form) > 2:
+                            cfg = dataclasses.replace(cfg, bn1=form[2], warps1=form[3], bn2=form[4], warps2=form[5])
+                        times.setdefault(form, []).append(whole(cfg))
+                        if r == rounds - 1:
+                            ts = " ".join(f"{t:.1f}" for t in times[form])
+                            print(f"  {label}: {ts} us/layer ({min(times[form]) / t0:.3f}); output rel L2 "
+                                  f"{rel_l2(outs[0], want):.1e} from the tl.dot GEMV's", flush=True)
+                    except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
+                        print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-500:]}", flush=True)
         hs = None  # (let the geometry's handles go before the next)
         torch.cuda.empty_cache()
 

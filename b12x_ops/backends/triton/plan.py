@@ -360,10 +360,13 @@ def eager_form(cfg: "Config") -> "Config | None":
 # Qwen3 18.0 -> 15.7, 17.9 -> 16.9 and 17.3 -> 17.0 (three calls), DSv4 22.8 -> 22.8 and 23.2 -> 22.5;
 # at two Qwen3 26.4 -> 24.5, DSv4 35.9 -> 35.2, but gpt-oss 53.7 -> 55.2 (its wide N: the tl.dot gemv2
 # is faster there); at four tokens slower but on Qwen3 (42.5 -> 41.0). Chunks a program: 4 (256 K
-# elements) for gemv1, 2 at one token where K <= 2048 (Qwen3: 17.4 against 17.8 us); 4 for gemv2.
+# elements) for gemv1, 2 at one token where K <= 2048 (Qwen3: 17.4 against 17.8 us); 4 for gemv2,
+# 6 where N <= 1024: a slot's activation row in two runs, not three (same call, 4 -> 6 chunks: Qwen3 one
+# token 16.9 -> 15.5 us, two 25.5 -> 24.9; DSv4 22.4 -> 22.2 and 35.6 -> 35.8; gpt-oss, N = 2880,
+# 32.0 -> 32.5, so 4 there; ``benchmarks/results/gemv_mma_q2.md``).
 GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
-GEMV_MMA_Q1, GEMV_MMA_Q1_SMALL_K, GEMV_MMA_Q2 = 4, 2, 4
-GEMV_MMA_SMALL_K = 2048
+GEMV_MMA_Q1, GEMV_MMA_Q1_SMALL_K, GEMV_MMA_Q2, GEMV_MMA_Q2_SHORT_N = 4, 2, 4, 6
+GEMV_MMA_SMALL_K, GEMV_MMA_SHORT_N = 2048, 1024
 
 
 def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
@@ -373,7 +376,7 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     if tokens > (1 if g.intermediate_size >= GEMV_XQ_WIDE_N else GEMV_MMA_TOKENS):
         return None
     q1 = GEMV_MMA_Q1_SMALL_K if tokens == 1 and g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_Q1
-    return q1, GEMV_MMA_Q2
+    return q1, GEMV_MMA_Q2_SHORT_N if g.intermediate_size <= GEMV_MMA_SHORT_N else GEMV_MMA_Q2
 
 
 def mma_config(cfg: "Config", geometry, q1: int, q2: int) -> "Config":
@@ -490,7 +493,7 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
             for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
         if gluon:  # (sm_90: the GEMV on mma.sync, a few chunk counts)
-            out += [mma_config(d, geometry, q1, q2) for q1 in (2, 4) for q2 in (2, 4)]
+            out += [mma_config(d, geometry, q1, q2) for q1 in (2, 4) for q2 in (4, 6, 8)]
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
@@ -915,9 +918,9 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 15, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 16, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 15 the GEMV on mma.sync among the candidates; 14 block sizes and the GEMV path compared by
+    # (the version: 16 the mma.sync GEMV's gemv2 of 4, 6 or 8 chunks; 15 the GEMV on mma.sync among the candidates; 14 block sizes and the GEMV path compared by
     # the whole call's time; 13 the tuner's totals
     # with routing and finalize, timed from a cold L2; 12 GEMM2's 128-row tile; 11 the half tiles)
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
