@@ -172,8 +172,11 @@ def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
     g = offline._geometry(GEOMETRIES[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
     gp.ptx = gp.fold = True
-    for M in (1, 2, 3, 4):
-        cfg = P.eager_form(P.default_config(M, g))
+    forms = [(M, P.eager_form(P.default_config(M, g))) for M in (1, 2, 3, 4)]
+    # (and those of the mma.sync plans, whose gemv2 of 6 chunks the tl.dot kernels take as 4)
+    forms += [(M, P.eager_form(P.mma_config(P.default_config(M, g), g, *P.gemv_mma_form(M, g)), g)) for M in (1, 2)
+              if P.gemv_mma_form(M, g)]
+    for M, cfg in forms:
         assert cfg.gemv and cfg.fused and not cfg.xq
         stages = gp.stages(cfg, M)
         assert [s is None for s in stages] == [True, False, True, True]

@@ -228,8 +228,14 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
         kp = got.split2 // g.top_k
         assert got.split2 % g.top_k == 0 and kp * (got.bk2 // 64) >= nq2 > (kp - 1) * (got.bk2 // 64)
         assert gp.with_gluon(got, tokens) == got
-        eager = P.eager_form(got)
-        assert eager.fused and not eager.mma and not eager.xq and eager.tiles2() == got.tiles2()
+        eager = P.eager_form(got, g)
+        assert eager.fused and not eager.mma and not eager.xq
+        if q2 & (q2 - 1):  # (tl.dot's K steps are powers of two: 4 chunks, the split to match)
+            assert eager.bk2 == 256 and eager.split2 == g.top_k * -(-nq2 // 4)
+            with pytest.raises(ValueError, match="needs its geometry"):
+                P.eager_form(got)
+        else:
+            assert eager.tiles2() == got.tiles2()
         launches = gp.stages(got, tokens)
         assert [ln.fn.__name__ if ln else None for ln in launches] == ["xquant_kernel", "gemv1_mma_kernel",
                                                                        "gemv2_mma_kernel", None]

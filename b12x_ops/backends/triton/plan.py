@@ -343,14 +343,24 @@ def gemv_fused_status() -> str:
     return "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
 
 
-def eager_form(cfg: "Config") -> "Config | None":
+def eager_form(cfg: "Config", geometry=None) -> "Config | None":
     """What a call of ``cfg``'s plan launches outside CUDA-graph capture where that differs from
     ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``; where ``cfg`` quantizes x in a launch
     of its own, the one launch quantizes it on the fly with the same tiles; the tl.dot kernels where
-    ``cfg`` runs them on mma.sync), else None."""
-    if GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused:
-        return dataclasses.replace(cfg, fused=True, xq=False, mma=False)
-    return None
+    ``cfg`` runs them on mma.sync, their K steps a power of two: an mma.sync plan's gemv2 of 6 chunks
+    a program takes 4, which needs the ``geometry``), else None."""
+    if not (GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused):
+        return None
+    out = dataclasses.replace(cfg, fused=True, xq=False, mma=False)
+    q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
+    if q1 & (q1 - 1) or q2 & (q2 - 1):  # (not powers of two: the largest power below, the splits to match)
+        if geometry is None:
+            raise ValueError(f"eager_form: {cfg} needs its geometry (K steps of {q1} and {q2} chunks)")
+        q1, q2 = 1 << (q1.bit_length() - 1), 1 << (q2.bit_length() - 1)
+        nq1, nq2 = -(-geometry.hidden_size // 64), -(-geometry.intermediate_size // 64)
+        out = dataclasses.replace(out, bk1=64 * q1, split1=-(-nq1 // q1), bk2=64 * q2,
+                                  split2=geometry.top_k * -(-nq2 // q2))
+    return out
 
 
 # The GEMV path on mma.sync (``gluon_gemv``: both operands in registers, a program's loads first, the
@@ -903,7 +913,7 @@ class GeometryPlans:
         self.caps = sorted(self.configs)
         self.reserve(cap, cfg)
         self.runners[cap] = self.runner(cfg, cap)
-        eager = eager_form(cfg)
+        eager = eager_form(cfg, self.geometry)
         if eager is not None:
             self.reserve(cap, eager)
             self.eager_runners[cap] = self.runner(eager, cap)
