@@ -422,7 +422,7 @@ def test_gpu_gemv_fused_matches_two_launches(name):
     gp = st.plans
     for M in (1, 2, 3, 4):
         cap = gp.cap_for(M)  # (prepare keeps the eager form only where it timed faster: here, always)
-        gp.eager_runners[cap] = gp.runner(P.eager_form(gp.runners[cap].cfg), cap)
+        gp.eager_runners[cap] = gp.runner(P.eager_form(gp.runners[cap].cfg, gp.geometry), cap)
         assert gp.runner_for(M, torch.cuda.is_current_stream_capturing).cfg.fused
         x, ids, w = make_batch(layer, M, seed=70 + M, device="cuda")
         eager = b12x_ops.moe_w4a8(x, ids, w, h)

@@ -347,19 +347,24 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
     """What a call of ``cfg``'s plan launches outside CUDA-graph capture where that differs from
     ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``; where ``cfg`` quantizes x in a launch
     of its own, the one launch quantizes it on the fly with the same tiles; the tl.dot kernels where
-    ``cfg`` runs them on mma.sync, their K steps a power of two: an mma.sync plan's gemv2 of 6 chunks
-    a program takes 4, which needs the ``geometry``), else None."""
+    ``cfg`` runs them on mma.sync), else None. The tl.dot kernels' K steps are powers of two: a
+    run of 6 chunks (an mma.sync plan's gemv2 where N <= 1024) they take as 3 steps of 2, the runs
+    as long as the plan's, so that both add the same parts (this needs the ``geometry``); where no
+    such steps give the plan's runs, there is no one-launch form."""
     if not (GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused):
         return None
     out = dataclasses.replace(cfg, fused=True, xq=False, mma=False)
     q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
-    if q1 & (q1 - 1) or q2 & (q2 - 1):  # (not powers of two: the largest power below, the splits to match)
+    if q1 & (q1 - 1) or q2 & (q2 - 1):
         if geometry is None:
             raise ValueError(f"eager_form: {cfg} needs its geometry (K steps of {q1} and {q2} chunks)")
-        q1, q2 = 1 << (q1.bit_length() - 1), 1 << (q2.bit_length() - 1)
         nq1, nq2 = -(-geometry.hidden_size // 64), -(-geometry.intermediate_size // 64)
-        out = dataclasses.replace(out, bk1=64 * q1, split1=-(-nq1 // q1), bk2=64 * q2,
-                                  split2=geometry.top_k * -(-nq2 // q2))
+        runs1, runs2 = cfg.split1, cfg.split2 // geometry.top_k
+        p1, p2 = q1 & -q1, q2 & -q2  # (the largest powers of two that divide them)
+        for q, p, nq, runs in ((q1, p1, nq1, runs1), (q2, p2, nq2, runs2)):
+            if runs > 1 and -(-(-(-nq // p)) // runs) * p != q:  # (a run of the steps: as many chunks?)
+                return None
+        out = dataclasses.replace(out, bk1=64 * p1, bk2=64 * p2)
     return out
 
 
