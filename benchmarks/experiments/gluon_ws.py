@@ -47,7 +47,7 @@ if GK.HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from b12x_ops.backends.triton.gluon_kernels import _cp_async, _decode_operands, _gemm2_epilogue, _scale_src, _tile_index
+    from b12x_ops.backends.triton.gluon_kernels import _cp_async, _decode_operands, _gemm2_epilogue, _tile_index
     from b12x_ops.backends.triton.kernels import _block_tile
 
     # the producer warp's registers (its partition is allocated a warpgroup's worth: 4 x 32 x this);
@@ -165,13 +165,15 @@ if GK.HAS_GLUON:
         G: gl.constexpr = BN // 16
         Q: gl.constexpr = BK // 64
         BKH: gl.constexpr = BK // 2
+        NS: gl.constexpr = N // 32
         NSTEP: gl.constexpr = (N + BK - 1) // BK
-        NQ: gl.constexpr = (N // 2 + 31) // 32
         g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(BN, BK, code_l, s5_l)
-        s_src = _scale_src(s_ptr + e.to(gl.int64) * (K * NQ * 2), pid_n * BN // 16 + g_s, q_s, l_s, NQ)
-        s_ok = ((pid_n * BN + 16 * g_s) < K)[:, None, None]
-        sblk = q_s[None, :, None]  # (the step's chunks)
-        sb = gl.load(s_src, mask=s_ok & (sblk < NQ), other=0)
+        r_s = (pid_n * BN + 16 * g_s)[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
+            + (l_s // 4)[None, None, :, None, None]  # the lane's output rows
+        s_src = s_ptr + e.to(gl.int64) * (K * NS) + r_s * NS
+        s_ok = r_s < K
+        sblk = 2 * q_s[None, :, None, None, None] + s_s[None, None, None, :, None]
+        sb = gl.load(s_src + sblk, mask=s_ok & (sblk < NS), other=0).to(gl.int32)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         we_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
         wo_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
@@ -185,7 +187,7 @@ if GK.HAS_GLUON:
                 mbarrier.wait(full[s], kk & 1)
                 we, wo = _decode_operands(bufs[0].load(code_l), sb, G, Q, BN, BKH, FOLD, a_l, p7)
                 kn = k0 + BK
-                sb = gl.load(s_src + (kn // 64) * 8, mask=s_ok & ((kn // 64 + sblk) < NQ), other=0)
+                sb = gl.load(s_src + kn // 32 + sblk, mask=s_ok & ((kn // 32 + sblk) < NS), other=0).to(gl.int32)
                 if ACT_TMA:
                     xe = bufs[1]._reinterpret(gl.bfloat16, [BM, BKH], X2_SL)
                     xo = bufs[2]._reinterpret(gl.bfloat16, [BM, BKH], X2_SL)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from b12x_ops.backends.triton.kernels import (_block_tile, _gemm1_tile, _jit, _mma_step, _store_act, _w13_groups,
-                                             scale_offsets)
+from b12x_ops.backends.triton.kernels import _block_tile, _gemm1_tile, _jit, _mma_step, _store_act, _w13_groups
 
 
 @triton.jit
@@ -52,7 +51,7 @@ def gemm1_joined_kernel(
     BKH: tl.constexpr = BK // 2
     NQ: tl.constexpr = (KH + 31) // 32
     up_g, gate_g, gvalid = _w13_groups(w_ptr, e, pid_n, N, NQ, BN, UP_FIRST)
-    s_e = s_ptr + e.to(tl.int64) * (2 * N * NQ * 2)
+    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
     xT = xq_ptr + tok[None, :] * K + (32 * (offs_h // 16) + offs_h % 16)[:, None]
@@ -60,7 +59,7 @@ def gemm1_joined_kernel(
     r2 = tl.arange(0, 2 * BN)
     w_rows = tl.where(r2 < BN, (UP_FIRST == 0) * N + pid_n * BN + r2, UP_FIRST * N + pid_n * BN + r2 - BN)
     r_ok = (pid_n * BN + r2 % BN) < N
-    row_s = s_e + scale_offsets(w_rows[:, None], offs_s[None, :], NQ)
+    row_s = s_e + w_rows[:, None] * KS + offs_s[None, :]
     s = tl.load(row_s, mask=r_ok[:, None] & (offs_s < KS)[None, :], other=0)
     for k0 in range(0, K, BK):
         hmask = (k0 // 2 + offs_h) < KH
@@ -68,7 +67,7 @@ def gemm1_joined_kernel(
         xe = tl.load(xT + k0, mask=xm, other=0.0).to(DOT_DTYPE)
         xo = tl.load(xT + k0 + 16, mask=xm, other=0.0).to(DOT_DTYPE)
         sm = r_ok[:, None] & ((k0 // 32 + BK // 32 + offs_s) < KS)[None, :]
-        s_next = tl.load(row_s + (k0 + BK) // 2, mask=sm, other=0)
+        s_next = tl.load(row_s + (k0 + BK) // 32, mask=sm, other=0)
         t = load_joined(up_g, (N // 16) * NQ * 512 * (2 * UP_FIRST - 1), gvalid, k0 // 64, NQ, BN, BKH)
         acc = _mma_step(t, s, xe, xo, acc, 2 * BN, BKH, DOT_DTYPE, PTX, FOLD)
         s = s_next

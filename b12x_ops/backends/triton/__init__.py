@@ -67,7 +67,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 class State:
     plans: object  # plan.GeometryPlans, shared by the geometry's handles
     w13: torch.Tensor  # codes in the repacked layout (layout.py)
-    w13_scale: torch.Tensor  # scale bytes, repacked too
+    w13_scale: torch.Tensor
     w2: torch.Tensor
     w2_scale: torch.Tensor
     g13: torch.Tensor
@@ -79,7 +79,7 @@ class State:
 
 def prepare(spec) -> State:
     from . import plan as P
-    from .layout import repack_codes, repack_scales
+    from .layout import repack_codes
 
     unknown = sorted(set(spec.options) - set(_OPTIONS))
     if unknown:
@@ -106,9 +106,13 @@ def prepare(spec) -> State:
         shared = P.GeometryPlans(g, fast, gemv, ptx, fold=fold)
         _SHARED[key] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
+
+    def dense(t):
+        return t if t.is_contiguous() else t.contiguous()
+
     state = State(
-        plans=shared, w13=repack_codes(spec.w13), w13_scale=repack_scales(spec.w13_scale), w2=repack_codes(spec.w2),
-        w2_scale=repack_scales(spec.w2_scale),
+        plans=shared, w13=repack_codes(spec.w13), w13_scale=dense(spec.w13_scale), w2=repack_codes(spec.w2),
+        w2_scale=dense(spec.w2_scale),
         g13=spec.w13_global_scale if spec.w13_global_scale is not None else ones,
         g2=spec.w2_global_scale if spec.w2_global_scale is not None else ones,
         expert_offset=spec.expert_offset, limit=float(g.swiglu_limit or 0.0),

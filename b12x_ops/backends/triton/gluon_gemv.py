@@ -47,7 +47,7 @@ from .kernels import _swiglu, f32_to_half_bits, gemv_program, half_bits_to_f32, 
 from .mxtl import mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON_MMA:
-    from .gluon_kernels import _barrier, _decode_operands, _scale_src, _tile_index
+    from .gluon_kernels import _barrier, _decode_operands, _tile_index
 
     def layouts(nw: int, gemv1: bool) -> dict:
         """A program of ``nw`` warps: ``mma`` the ``m16n8k16`` accumulator (a warp a 16-row group: groups
@@ -80,29 +80,35 @@ if HAS_GLUON_MMA:
     def _row_operands(w_e, s_e, grow_c, gok_c, grow_s, gok_s, R: gl.constexpr, RED: gl.constexpr,
                       code_l: gl.constexpr, s5_l: gl.constexpr):
         """Pointers and masks of chunk 0 of the ``R / 16`` row groups whose first rows are ``grow_c``
-        (``gok_c``: which exist; ``grow_s``/``gok_s`` the same in the scale words' layout) of a matrix with
-        ``RED`` columns: ``[G, 1, 32, 16]`` codes, and ``[G, 1, 32]`` scale words (each lane's rows' scale
-        bytes of the chunk: ``gluon_kernels._scale_src``)."""
+        (``gok_c``: which exist; ``grow_s``/``gok_s`` the same in the scale bytes' layout) of a matrix with
+        ``RED`` columns: ``[G, 1, 32, 16]`` codes, and ``[G, 1, 32, 2, 2]`` scale bytes of each lane's rows
+        (r0 = lane // 4 and r0 + 8) for the chunk's two 32-element blocks; and the blocks' index ``s_s``."""
         NQ: gl.constexpr = (RED // 2 + 31) // 32
-        _, _, l_c, b_c, _, q_s, l_s, _, _ = _tile_index(R, 64, code_l, s5_l)
+        KS: gl.constexpr = RED // 32
+        _, _, l_c, b_c, _, _, l_s, s_s, h_s = _tile_index(R, 64, code_l, s5_l)
         c_src = (w_e + (grow_c // 16).to(gl.int64)[:, None, None, None] * (NQ * 512)
                  + (l_c * 16)[None, None, :, None] + b_c[None, None, None, :])
         c_ok = gok_c[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
-        s_src = _scale_src(s_e, grow_s // 16, q_s, l_s, NQ)
-        s_ok = gok_s[:, None, None]
-        return c_src, c_ok, s_src, s_ok
+        srow = (grow_s[:, None, None, None, None] + (l_s // 4)[None, None, :, None, None]
+                + 8 * h_s[None, None, None, None, :])
+        s_src = s_e + srow * KS + s_s[None, None, None, :, None]
+        s_ok = gok_s[:, None, None, None, None] & (s_s >= 0)[None, None, None, :, None] & (
+            h_s >= 0)[None, None, None, None, :] & (l_s >= 0)[None, None, :, None, None]
+        return c_src, c_ok, s_src, s_ok, s_s
 
     @gluon.jit
-    def _load_codes(c_src, c_ok, s_src, s_ok, q0, RED: gl.constexpr, Q: gl.constexpr):
-        """The codes and scale words of chunks ``q0 .. q0 + Q - 1``, every load issued before any is
-        used. Chunks past the reduction load nothing (zero codes and scales)."""
+    def _load_codes(c_src, c_ok, s_src, s_ok, s_s, q0, RED: gl.constexpr, Q: gl.constexpr):
+        """The codes and scale bytes of chunks ``q0 .. q0 + Q - 1``, every load issued before any is
+        used. Chunks past the reduction load nothing (zero codes); so do blocks past it (scale byte 0)."""
         NQ: gl.constexpr = (RED // 2 + 31) // 32
+        KS: gl.constexpr = RED // 32
         codes = ()
         scales = ()
         for q in gl.static_range(Q):
             qq = q0 + q
             codes = codes + (gl.load(c_src + qq * 512, mask=c_ok & (qq < NQ)),)
-            scales = scales + (gl.load(s_src + qq * 8, mask=s_ok & (qq < NQ), other=0),)
+            sm = s_ok & ((2 * qq + s_s) < KS)[None, None, None, :, None]
+            scales = scales + (gl.load(s_src + 2 * qq, mask=sm, other=0),)
         return codes, scales
 
     @gluon.jit
@@ -128,7 +134,7 @@ if HAS_GLUON_MMA:
         """One 64-element chunk: its ``[G, 1, 32, 16]`` codes decoded with their scale bytes into the A
         fragments in place (``gluon_kernels._decode_operands``), then its two MMAs (even elements, odd
         elements) into ``acc``."""
-        we, wo = _decode_operands(codes, scales, R // 16, 1, R, 32, FOLD, a_l, p7)
+        we, wo = _decode_operands(codes, scales.to(gl.int32), R // 16, 1, R, 32, FOLD, a_l, p7)
         return mma_v2(wo, xo, mma_v2(we, xe, acc))
 
     @gluon.jit(do_not_specialize=("S", "stride_im", "stride_ik", "expert_offset"),
@@ -153,6 +159,7 @@ if HAS_GLUON_MMA:
         if ours:  # (padding and other ranks' slots: no work, no wait)
             R: gl.constexpr = 2 * BN
             GH: gl.constexpr = BN // 16
+            KS: gl.constexpr = K // 32
             NQ: gl.constexpr = (K // 2 + 31) // 32
             UP0: gl.constexpr = 0 if UP_FIRST else N
             GATE0: gl.constexpr = N if UP_FIRST else 0
@@ -160,10 +167,10 @@ if HAS_GLUON_MMA:
             g_c, _, _, _, g_s, _, _, _, _ = _tile_index(R, 64, code_l, s5_l)
             row0_c = pid_n * BN + 16 * (g_c % GH)  # (the group's first column)
             row0_s = pid_n * BN + 16 * (g_s % GH)
-            c_src, c_ok, s_src, s_ok = _row_operands(
-                w_ptr + e * (2 * N * NQ * 32), s_ptr + e * (2 * N * NQ * 2), gl.where(g_c < GH, UP0, GATE0) + row0_c,
+            c_src, c_ok, s_src, s_ok, s_s = _row_operands(
+                w_ptr + e * (2 * N * NQ * 32), s_ptr + e * (2 * N * KS), gl.where(g_c < GH, UP0, GATE0) + row0_c,
                 row0_c < N, gl.where(g_s < GH, UP0, GATE0) + row0_s, row0_s < N, R, K, code_l, s5_l)
-            codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, q0, K, Q)
+            codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, q0, K, Q)
             _gdc(PDL)
             xs = _load_row(xq_ptr + m.to(gl.int64) * K, q0, K, Q, b_l)
             acc = gl.zeros([R, 8], gl.float32, layout=mma)
@@ -215,6 +222,7 @@ if HAS_GLUON_MMA:
         as its 16-bit words, ``w_kind`` and ``out_fp16`` as there)."""
         SPLIT: gl.constexpr = TOPK * KP
         NQ: gl.constexpr = (N // 2 + 31) // 32
+        NS: gl.constexpr = N // 32
         NT: gl.constexpr = (K + BN - 1) // BN
         m, part, pid_n = gemv_program(gl.program_id(0), M, SPLIT)
         j = part // KP
@@ -225,9 +233,10 @@ if HAS_GLUON_MMA:
         g_c, _, _, _, g_s, _, _, _, _ = _tile_index(BN, 64, code_l, s5_l)
         row0_c = pid_n * BN + 16 * g_c
         row0_s = pid_n * BN + 16 * g_s
-        c_src, c_ok, s_src, s_ok = _row_operands(w_ptr + e * (K * NQ * 32), s_ptr + e * (K * NQ * 2), row0_c,
-                                                 (row0_c < K) & ours, row0_s, (row0_s < K) & ours, BN, N, code_l, s5_l)
-        codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, (part % KP) * Q, N, Q)
+        c_src, c_ok, s_src, s_ok, s_s = _row_operands(w_ptr + e * (K * NQ * 32), s_ptr + e * (K * NS), row0_c,
+                                                      (row0_c < K) & ours, row0_s, (row0_s < K) & ours, BN, N, code_l,
+                                                      s5_l)
+        codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, (part % KP) * Q, N, Q)
         # the router weight: ``kernels.load_weight_raw``'s arithmetic (its ``tl.zeros_like`` mask, which
         # the interpreter needs, has no layout in Gluon)
         w_lo = gl.load(wts_ptr + m64 * stride_wm + j * stride_wk)

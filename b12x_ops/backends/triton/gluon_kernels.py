@@ -53,15 +53,8 @@ try:
 except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON = False
 
-import triton.language as tl
-
 from .kernels import _block_tile, _swiglu, split_col
-from .mxtl import _DECODE_PTX_W, _DECODE_PTX_W_FOLD, mxfp8_apply, mxfp8_block_scale
-
-# a scale word's byte (the prmt selector ``$2``) as the bf16 pair of its scale, ``mxtl._ptx_scales``
-# twice; with FOLD its byte + 126
-_SCALE_PAIR = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, $2; mul.lo.u32 $0, t, 128; }")
-_SCALE_PAIR_FOLD = tl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, $2; mad.lo.u32 $0, t, 128, 0x3F003F00; }")
+from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON:
 
@@ -110,27 +103,20 @@ if HAS_GLUON:
         return g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s
 
     @gluon.jit
-    def _scale_src(s_e, grp, q_s, l_s, NQ: gl.constexpr):
-        """Pointers ``[G, Q, 32]`` (``q_s``'s ``Q`` chunks) to the 32-bit words of each lane's scale bytes
-        in row groups ``grp`` (``[G]``) of an expert's repacked scales ``s_e`` (``layout.repack_scales``,
-        ``NQ`` chunks a row); the next chunk's are 8 words further."""
-        w = s_e.to(gl.pointer_type(gl.int32), bitcast=True)
-        return w + (grp.to(gl.int64) * (NQ * 8))[:, None, None] + (q_s * 8)[None, :, None] + (l_s // 4)[None, None, :]
-
-    @gluon.jit
-    def _mainloop(w_g, gvalid, s_src, s_ok, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
+    def _mainloop(w_g, gvalid, s_row, s_ok, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
                   code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
         """``W tile @ rows^T`` over the reduction (length ``RED``), fp32 ``[R, BM]`` in the wgmma layout.
 
         ``w_g``: ``[G]`` pointers to the tile's repacked row groups (``gvalid``: which exist);
-        ``s_src``: ``[G, Q, 32]`` pointers to each lane's scale words of the first step (``_scale_src``;
-        ``s_ok`` ``[G, 1, 1]``: which groups exist); ``x_rows``: ``[BM, BKH]`` pointers to the activations a step's even elements
+        ``s_row``: ``[G, 1, 32, 1, 2]`` pointers to the scale bytes of each lane's rows (``s_ok``:
+        which exist); ``x_rows``: ``[BM, BKH]`` pointers to the activations a step's even elements
         start at (split layout; the odd ones are 16 further), ``rvalid_x`` which rows are real."""
         BKH: gl.constexpr = BK // 2
         G: gl.constexpr = R // 16
         Q: gl.constexpr = BK // 64
         KH: gl.constexpr = RED // 2
+        KS: gl.constexpr = RED // 32
         NQ: gl.constexpr = (KH + 31) // 32
         D: gl.constexpr = STAGES - 2
         NSTEP: gl.constexpr = (RED + BK - 1) // BK
@@ -140,7 +126,8 @@ if HAS_GLUON:
         c_src = (w_g[:, None, None, None] + (q_c[None, :, None, None] * 32 + l_c[None, None, :, None]) * 16
                  + b_c[None, None, None, :])
         c_ok = gvalid[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
-        sblk = q_s[None, :, None]  # (the step's chunks)
+        sblk = 2 * q_s[None, :, None, None, None] + s_s[None, None, None, :, None]  # 32-element block of the step
+        s_src = s_row + sblk
         offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
 
         # The ring: one allocation a stage and a buffer kind, so that every buffer a step touches is
@@ -157,7 +144,7 @@ if HAS_GLUON:
                 _copies(i0 * BK, ring[i0], c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)
             async_copy.commit_group()
 
-        sb = gl.load(s_src, mask=s_ok & (sblk < NQ), other=0)  # (scale words: a step ahead)
+        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)  # (scale bytes: a step ahead)
         acc = gl.zeros([R, BM], gl.float32, layout=mma)
         # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
         # consecutive steps decode into two register sets (A, B, A, ...), and each wait lists both
@@ -223,12 +210,13 @@ if HAS_GLUON:
         """``_mainloop``'s step at reduction element ``k0``: wait for its copies (in ``cur``), start the
         copies of the step STAGES - 2 ahead (into ``nxt``, the buffers of the step two back), decode
         (the previous step's MMAs still run), issue the two MMAs on the decoded registers, load the
-        next step's scale words. Returns ``(acc, next scale words, even operand, odd operand)``: the
+        next step's scale bytes. Returns ``(acc, next scale bytes, even operand, odd operand)``: the
         caller keeps the operands live until a wait covers the MMAs."""
         BKH: gl.constexpr = BK // 2
         G: gl.constexpr = R // 16
         Q: gl.constexpr = BK // 64
         KH: gl.constexpr = RED // 2
+        KS: gl.constexpr = RED // 32
         NQ: gl.constexpr = (KH + 31) // 32
         D: gl.constexpr = STAGES - 2
         offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
@@ -244,36 +232,29 @@ if HAS_GLUON:
         async_copy.commit_group()
         we, wo = _decode_operands(cur[0].load(code_l), sb, G, Q, R, BKH, FOLD, a_l, p7)
         kn = k0 + BK
-        sb = gl.load(s_src + (kn // 64) * 8, mask=s_ok & ((kn // 64 + sblk) < NQ), other=0)
+        sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
         acc = warpgroup_mma(we, cur[1].permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(wo, cur[2].permute((1, 0)), acc, is_async=True)
         return acc, sb, we, wo
 
     @gluon.jit
-    def _decode_operands(codes, words, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr,
+    def _decode_operands(codes, sb, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr,
                          FOLD: gl.constexpr, a_l: gl.constexpr, p7: gl.constexpr):
-        """A loaded ``[G, Q, 32, 16]`` code tile and its scale words ``[G, Q, 32]`` (``_scale_src``: a
-        lane's rows r0 and r0 + 8, a chunk's two blocks, byte ``2 block + row``) decoded by ``mxtl``'s
-        asm into the MMA's first operands ``(even, odd)`` ``[R, BKH]`` in ``a_l`` (the wgmma's or
-        mma.sync's: the same registers), every conversion checked to move no data."""
+        """A loaded ``[G, Q, 32, 16]`` code tile and its int32 scale bytes ``[G, Q, 32, 2, 2]`` (a lane's rows
+        r0 and r0 + 8, a chunk's two blocks) decoded by ``mxtl``'s asm into the MMA's first operands
+        ``(even, odd)`` ``[R, BKH]`` in ``a_l`` (the wgmma's or mma.sync's: the same registers), every
+        conversion checked to move no data."""
         t = _to_operand(codes, G, Q, R, BKH)
-        s5_l: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(6, p7))
-        s_i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, s5_l)))))
-        h_i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, s5_l)))))
-        w = gl.expand_dims(gl.expand_dims(words, 3), 4)
-        # each scale byte once as the bf16 pair of its scale (mxtl._ptx_scales twice: (b << 7) | (b << 23),
-        # b + 126 with FOLD): byte k of its word in both halves (prmt), times 128 plus the bias; one int32
-        # a code byte: the decode's operands are its copies, no packing
-        sel = 0x4040 + 0x0101 * (2 * s_i[None, None, None, :, None] + h_i[None, None, None, None, :])
-        w, sel = gl.broadcast(w, sel)
-        pair_asm: gl.constexpr = _SCALE_PAIR_FOLD if FOLD else _SCALE_PAIR
-        sc = gl.inline_asm_elementwise(pair_asm, "=r,r,r", [w, sel], dtype=gl.int32, is_pure=True, pack=1)
+        b = sb
+        if FOLD:
+            b = b + 126
+        sc = (b << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # mxtl._ptx_scales
         sc = gl.expand_dims(gl.expand_dims(sc, 4), 6)
-        sc = gl.broadcast(sc, gl.full([G, Q, 32, 2, 2, 2, 2], 0, gl.int32, layout=p7))[0]
+        sc = gl.broadcast(sc, gl.full([G, Q, 32, 2, 2, 2, 2], 0, gl.bfloat16, layout=p7))[0]
         sc = _to_operand(gl.reshape(sc, (G, Q, 32, 16)), G, Q, R, BKH)
         sc = gl.convert_layout(sc, t.type.layout, assert_trivial=True)
-        asm: gl.constexpr = _DECODE_PTX_W_FOLD if FOLD else _DECODE_PTX_W
-        we, wo = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r,r,r", [t, sc], dtype=(gl.bfloat16, gl.bfloat16),
+        asm: gl.constexpr = _DECODE_PTX_FOLD if FOLD else _DECODE_PTX
+        we, wo = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [t, sc], dtype=(gl.bfloat16, gl.bfloat16),
                                            is_pure=True, pack=4)
         return gl.convert_layout(we, a_l, assert_trivial=True), gl.convert_layout(wo, a_l, assert_trivial=True)
 
@@ -325,6 +306,7 @@ if HAS_GLUON:
         """``gemm1_gluon_kernel``'s program on the first ``BM`` rows of its ``BLK``-row block."""
         R: gl.constexpr = 2 * BN  # the operand's rows: BN of up (the first half of the warps), then BN of gate
         G: gl.constexpr = R // 16
+        KS: gl.constexpr = K // 32
         NQ: gl.constexpr = (K // 2 + 31) // 32
         UP0: gl.constexpr = 0 if UP_FIRST else N
         GATE0: gl.constexpr = N if UP_FIRST else 0
@@ -339,10 +321,11 @@ if HAS_GLUON:
         gw = gl.where(g_c < G // 2, (pid_n * BN + UP0) // 16, (pid_n * BN + GATE0) // 16) + gh
         w_g = w_ptr + e.to(gl.int64) * (2 * N * NQ * 32) + gw * (NQ * 512)
         gvalid = (pid_n * BN + 16 * gh) < N
-        grp_s = gl.where(g_s < G // 2, (pid_n * BN + UP0) // 16, (pid_n * BN + GATE0) // 16) + g_s % (G // 2)
-        s_src = _scale_src(s_ptr + e.to(gl.int64) * (2 * N * NQ * 2), grp_s, q_s, l_s, NQ)
-        s_ok = ((pid_n * BN + 16 * (g_s % (G // 2))) < N)[:, None, None]
-        acc = _mainloop(w_g, gvalid, s_src, s_ok, x_rows, rvalid_x, K, R, BM, BK, STAGES, FOLD, mma, a_l, code_l,
+        r_s = (pid_n * BN + 16 * (g_s % (G // 2)))[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
+            + (l_s // 4)[None, None, :, None, None]  # the lane's intermediate columns
+        s_row = s_ptr + e.to(gl.int64) * (2 * N * KS) \
+            + (r_s + gl.where(g_s < G // 2, UP0, GATE0)[:, None, None, None, None]) * KS
+        acc = _mainloop(w_g, gvalid, s_row, r_s < N, x_rows, rvalid_x, K, R, BM, BK, STAGES, FOLD, mma, a_l, code_l,
                         p7, s5_l, x_l)
 
         # epilogue (kernels._store_act): up and gate meet in shared memory; 32 columns at a time, a
@@ -401,15 +384,17 @@ if HAS_GLUON:
                      FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr,
                      p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
         """``gemm2_gluon_kernel``'s program on the first ``BM`` rows of its ``BLK``-row block."""
+        NS: gl.constexpr = N // 32
         NQ: gl.constexpr = (N // 2 + 31) // 32
         # the block's rows of a (block-ordered: rows pid_m * BLK ..)
         offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
         x_rows = _x_rows(a_ptr, (pid_m * BLK + offs_r).to(gl.int64), N, BK, x_l)
         g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(BN, BK, code_l, s5_l)
         w_g = w_ptr + e.to(gl.int64) * (K * NQ * 32) + (pid_n * BN // 16 + g_c) * (NQ * 512)
-        s_src = _scale_src(s_ptr + e.to(gl.int64) * (K * NQ * 2), pid_n * BN // 16 + g_s, q_s, l_s, NQ)
-        s_ok = ((pid_n * BN + 16 * g_s) < K)[:, None, None]
-        acc = _mainloop(w_g, (pid_n * BN + 16 * g_c) < K, s_src, s_ok, x_rows, offs_r < nrow, N, BN, BM, BK,
+        r_s = (pid_n * BN + 16 * g_s)[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
+            + (l_s // 4)[None, None, :, None, None]  # the lane's output rows
+        s_row = s_ptr + e.to(gl.int64) * (K * NS) + r_s * NS
+        acc = _mainloop(w_g, (pid_n * BN + 16 * g_c) < K, s_row, r_s < K, x_rows, offs_r < nrow, N, BN, BM, BK,
                         STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
         _gemm2_epilogue(acc, pid_m * BLK, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
                         BM, BN, mma)

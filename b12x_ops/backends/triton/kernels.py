@@ -461,14 +461,6 @@ def _w13_groups(w_ptr, e, pid_n, N: tl.constexpr, NQ: tl.constexpr, BN: tl.const
 
 
 @triton.jit
-def scale_offsets(rows, blocks, NQ: tl.constexpr):
-    """Where the scale bytes of ``rows`` and 32-element ``blocks`` lie in an expert's scales of
-    ``NQ`` chunks a row (``layout.repack_scales``; ``layout.scale_offset`` is the twin). From a
-    step's first block (even), the next 64-element step's bytes are 32 further."""
-    return ((rows // 16) * NQ + blocks // 2) * 32 + (rows % 8) * 4 + (blocks % 2) * 2 + (rows // 8) % 2
-
-
-@triton.jit
 def _mma_step(t, scale_bytes, ve, vo, acc, BN: tl.constexpr, BKH: tl.constexpr, DOT_DTYPE: tl.constexpr,
               PTX: tl.constexpr, FOLD: tl.constexpr):
     """One K step of a product (all four GEMM kernels): the loaded code tile ``t``
@@ -523,7 +515,7 @@ def _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr
     BKH: tl.constexpr = BK // 2
     NQ: tl.constexpr = (KH + 31) // 32  # 32-byte chunks a row (the last one padded)
     up_g, gate_g, gvalid = _w13_groups(w_ptr, e, pid_n, N, NQ, BN, UP_FIRST)
-    s_e = s_ptr + e.to(tl.int64) * (2 * N * NQ * 2)
+    s_e = s_ptr + e.to(tl.int64) * (2 * N * KS)
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
     # byte h of the chunk meets elements k0 + 2h (split column k0 + 32 (h // 16) + h % 16) and k0 + 2h + 1 (+16)
@@ -532,8 +524,8 @@ def _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr
     acc_g = tl.zeros((BN, BMX), dtype=tl.float32)
     # The scale bytes (one a thread: too few for an asynchronous copy, so Triton's pipeline leaves
     # them out) are loaded one step ahead into registers, or each step would wait on HBM for them.
-    up_s = s_e + scale_offsets(up_rows[:, None], offs_s[None, :], NQ)
-    gate_s = s_e + scale_offsets(gate_rows[:, None], offs_s[None, :], NQ)
+    up_s = s_e + up_rows[:, None] * KS + offs_s[None, :]
+    gate_s = s_e + gate_rows[:, None] * KS + offs_s[None, :]
     sm = nvalid[:, None] & (offs_s < KS)[None, :]
     su = tl.load(up_s, mask=sm, other=0)
     sg = tl.load(gate_s, mask=sm, other=0)
@@ -543,8 +535,8 @@ def _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr
         xe = tl.load(xT + k0, mask=xm, other=0.0).to(DOT_DTYPE)
         xo = tl.load(xT + k0 + 16, mask=xm, other=0.0).to(DOT_DTYPE)
         sm = nvalid[:, None] & ((k0 // 32 + BK // 32 + offs_s) < KS)[None, :]
-        su_next = tl.load(up_s + (k0 + BK) // 2, mask=sm, other=0)
-        sg_next = tl.load(gate_s + (k0 + BK) // 2, mask=sm, other=0)
+        su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
+        sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
         q0 = k0 // 64
         acc_u = _mma_step(load_repacked(up_g, gvalid, q0, NQ, BN, BKH), su, xe, xo, acc_u, BN, BKH, DOT_DTYPE, PTX, FOLD)
         acc_g = _mma_step(load_repacked(gate_g, gvalid, q0, NQ, BN, BKH), sg, xe, xo, acc_g, BN, BKH, DOT_DTYPE, PTX,
@@ -596,12 +588,12 @@ def _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr,
     NQ: tl.constexpr = (NH + 31) // 32
     w_g = w_ptr + e.to(tl.int64) * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512)
     gvalid = (pid_n * BN + 16 * tl.arange(0, BN // 16)) < K
-    s_e = s_ptr + e.to(tl.int64) * (K * NQ * 2)
+    s_e = s_ptr + e.to(tl.int64) * (K * NS)
     offs_h = tl.arange(0, BKH)
     offs_s = tl.arange(0, BK // 32)
     aT = a_ptr + rows[None, :] * N + (32 * (offs_h // 16) + offs_h % 16)[:, None]
     acc = tl.zeros((BN, BMX), dtype=tl.float32)
-    row_s = s_e + scale_offsets(offs_o[:, None], offs_s[None, :], NQ)
+    row_s = s_e + offs_o[:, None] * NS + offs_s[None, :]
     s = tl.load(row_s, mask=ovalid[:, None] & (offs_s < NS)[None, :], other=0)  # one step ahead, as in gemm1
     for n0 in range(0, N, BK):
         hmask = (n0 // 2 + offs_h) < NH
@@ -609,7 +601,7 @@ def _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr,
         ae = tl.load(aT + n0, mask=am, other=0.0).to(DOT_DTYPE)
         ao = tl.load(aT + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
         sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < NS)[None, :]
-        s_next = tl.load(row_s + (n0 + BK) // 2, mask=sm, other=0)
+        s_next = tl.load(row_s + (n0 + BK) // 32, mask=sm, other=0)
         acc = _mma_step(load_repacked(w_g, gvalid, n0 // 64, NQ, BN, BKH), s, ae, ao, acc, BN, BKH, DOT_DTYPE, PTX, FOLD)
         s = s_next
     _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)
@@ -717,7 +709,7 @@ def _gemv1_program(
     NB: tl.constexpr = BK // 32
     NQ: tl.constexpr = (KH + 31) // 32
     up_g, gate_g, gvalid = _w13_groups(w_ptr, e, pid_n, N, NQ, BN, UP_FIRST)
-    s_e = s_ptr + e * (2 * N * NQ * 2)
+    s_e = s_ptr + e * (2 * N * KS)
     j = tl.arange(0, NB)  # 32-element block within the step
     r32 = tl.arange(0, 32)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
@@ -730,11 +722,11 @@ def _gemv1_program(
     PER: tl.constexpr = ((K + BK - 1) // BK + SPLIT - 1) // SPLIT * BK
     k_lo = part * PER
     k_hi = tl.minimum(k_lo + PER, K)
-    up_s = s_e + scale_offsets(up_rows[:, None], j[None, :], NQ)
-    gate_s = s_e + scale_offsets(gate_rows[:, None], j[None, :], NQ)
+    up_s = s_e + up_rows[:, None] * KS + j[None, :]
+    gate_s = s_e + gate_rows[:, None] * KS + j[None, :]
     sm = nvalid[:, None] & ((k_lo // 32 + j) < KS)[None, :]
-    su = tl.load(up_s + k_lo // 2, mask=sm, other=0)  # scale bytes one step ahead, as in gemm1
-    sg = tl.load(gate_s + k_lo // 2, mask=sm, other=0)
+    su = tl.load(up_s + k_lo // 32, mask=sm, other=0)  # scale bytes one step ahead, as in gemm1
+    sg = tl.load(gate_s + k_lo // 32, mask=sm, other=0)
     acc_u = tl.zeros((BN, 16), dtype=tl.float32)
     acc_g = tl.zeros((BN, 16), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):  # (this loop's pipeline depth)
@@ -757,8 +749,8 @@ def _gemv1_program(
             xe = _column0(tl.reshape(xe, (BKH,)), DOT_DTYPE)
             xo = _column0(tl.reshape(xo, (BKH,)), DOT_DTYPE)
         sm = nvalid[:, None] & ((k0 // 32 + NB + j) < k_hi // 32)[None, :]  # (this part's: k_hi <= K)
-        su_next = tl.load(up_s + (k0 + BK) // 2, mask=sm, other=0)
-        sg_next = tl.load(gate_s + (k0 + BK) // 2, mask=sm, other=0)
+        su_next = tl.load(up_s + (k0 + BK) // 32, mask=sm, other=0)
+        sg_next = tl.load(gate_s + (k0 + BK) // 32, mask=sm, other=0)
         acc_u = _mma_step(tu, su, xe, xo, acc_u, BN, BKH, DOT_DTYPE, PTX, FOLD)
         acc_g = _mma_step(tg, sg, xe, xo, acc_g, BN, BKH, DOT_DTYPE, PTX, FOLD)
         su, sg = su_next, sg_next
@@ -791,14 +783,14 @@ def _gemv2_slot(a_row, w_g, gvalid, s_e, offs_o, ovalid, n_lo, n_hi, N: tl.const
     # feeds the MMA: Triton's pipeline copies it to shared memory with the codes)
     a_h = a_row + (32 * (offs_h // 16) + offs_h % 16)[:, None] + 0 * col[None, :]
     acc = tl.zeros((BN, 16), dtype=tl.float32)
-    row_s = s_e + scale_offsets(offs_o[:, None], offs_s[None, :], NQ)
-    s = tl.load(row_s + n_lo // 2, mask=ovalid[:, None] & ((n_lo // 32 + offs_s) < NS)[None, :], other=0)
+    row_s = s_e + offs_o[:, None] * NS + offs_s[None, :]
+    s = tl.load(row_s + n_lo // 32, mask=ovalid[:, None] & ((n_lo // 32 + offs_s) < NS)[None, :], other=0)
     for n0 in tl.range(n_lo, n_hi, BK, num_stages=STAGES):  # (this loop's pipeline depth)
         am = ((n0 // 2 + offs_h) < NH)[:, None] & (col == 0)[None, :]
         ae = tl.load(a_h + n0, mask=am, other=0.0).to(DOT_DTYPE)
         ao = tl.load(a_h + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
         sm = ovalid[:, None] & ((n0 // 32 + BK // 32 + offs_s) < n_hi // 32)[None, :]  # (this run's: n_hi <= N)
-        s_next = tl.load(row_s + (n0 + BK) // 2, mask=sm, other=0)
+        s_next = tl.load(row_s + (n0 + BK) // 32, mask=sm, other=0)
         acc = _mma_step(load_repacked(w_g, gvalid, n0 // 64, NQ, BN, BKH), s, ae, ao, acc, BN, BKH, DOT_DTYPE, PTX, FOLD)
         s = s_next
     return tl.sum(acc, axis=1)
@@ -812,12 +804,13 @@ def _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, jj, pid
                      FOLD: tl.constexpr, STAGES: tl.constexpr):
     """``total`` plus slot ``jj``'s term of token ``m64`` (``wts * dq8(a) @ W2[e]^T`` over its N
     steps ``n_lo .. n_hi``), or ``total`` when the slot is padding or another rank's."""
+    NS: tl.constexpr = N // 32
     NQ: tl.constexpr = (N // 2 + 31) // 32
     gid = tl.load(ids_ptr + m64 * stride_im + jj * stride_ik).to(tl.int64)
     e, ours = local_expert(gid, expert_offset, E)
     if ours:
         w_g = w_ptr + e * (K * NQ * 32) + (pid_n * BN // 16) * (NQ * 512)
-        y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_g, gvalid, s_ptr + e * (K * NQ * 2), offs_o, ovalid, n_lo,
+        y = _gemv2_slot(a_ptr + (m64 * TOPK + jj) * N, w_g, gvalid, s_ptr + e * (K * NS), offs_o, ovalid, n_lo,
                         n_hi, N, BN, BK, DOT_DTYPE, PTX, FOLD, STAGES)
         if HAS_GS:
             y = y * tl.load(gs_ptr + e)

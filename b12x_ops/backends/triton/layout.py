@@ -24,13 +24,6 @@ replaces the checkpoint's; it is no larger, but for K padded to a multiple of 64
 ``repack_codes`` makes the layout (in chunks of experts, so a large layer's temporaries stay
 small); ``unpack_codes`` is its inverse (tests). OpenAI's triton_kernels uses the same two ideas
 for its Hopper weight layout.
-
-The scale bytes (``[E, R, K / 32]``, one a row and 32-element block) are re-laid the same way
-(``repack_scales``, also in place of the checkpoint's): per row group and chunk, 32 bytes, the
-4 of lane ``l`` at ``4 (l // 4)``: its rows' (``r0 = l // 4`` and ``r0 + 8``) scales of the chunk's
-two blocks, byte ``2 s + rh``. So the Gluon kernels load a lane's scales of a chunk as one 32-bit
-word, where they took four byte loads, and blocks past K are zero bytes, not masked loads. Every
-kernel addresses them through ``scale_offset`` (the Triton kernels: ``kernels.scale_offsets``).
 """
 
 from __future__ import annotations
@@ -113,35 +106,3 @@ def unpack_codes(packed: torch.Tensor, kh: int) -> torch.Tensor:
                 for bit, src in zip((3, 2, 1, 0), PAIR_BITS[2 * odd + rh]):
                     out[:, :, rh, :, :, :, :, :, kk] |= ((word >> (src + 16 * kk)) & 1) << (bit + 4 * odd)
     return out.view(E, G * 16, Q * CHUNK_BYTES)[:, :, :kh].to(torch.uint8)
-
-
-def repacked_scales_shape(scales_shape) -> tuple[int, ...]:
-    E, R, KS = scales_shape
-    return (E, R // GROUP_ROWS, -(-KS // 2), 32)
-
-
-def scale_offset(row: int, block: int, ks: int) -> int:
-    """Where scale byte ``(row, block)`` of a ``[R, ks]`` matrix lies in its repacked bytes
-    (``kernels.scale_offsets`` is the kernels' twin)."""
-    return ((row // 16) * -(-ks // 2) + block // 2) * 32 + (row % 8) * 4 + (block % 2) * 2 + (row // 8) % 2
-
-
-def repack_scales(scales: torch.Tensor) -> torch.Tensor:
-    """``[E, R, KS]`` scale bytes (uint8 or E8M0; ``R`` a multiple of 16) in the layout above:
-    ``[E, R / 16, ceil(KS / 2), 32]`` uint8 (blocks past ``KS``: zero bytes)."""
-    E, R, KS = scales.shape
-    if R % GROUP_ROWS:
-        raise ValueError(f"repack_scales: rows must be a multiple of {GROUP_ROWS}, got {R}")
-    b = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
-    Q = -(-KS // 2)
-    if 2 * Q != KS:
-        b = torch.nn.functional.pad(b, (0, 2 * Q - KS))
-    b = b.reshape(E, R // 16, 2, 8, Q, 2)  # e, g, rh, r0, q, s
-    return b.permute(0, 1, 4, 3, 5, 2).contiguous().view(E, R // 16, Q, 32)  # e, g, q, (r0, s, rh)
-
-
-def unpack_scales(packed: torch.Tensor, ks: int) -> torch.Tensor:
-    """The inverse of ``repack_scales``: ``[E, R, ks]`` uint8."""
-    E, G, Q = packed.shape[:3]
-    b = packed.reshape(E, G, Q, 8, 2, 2).permute(0, 1, 5, 3, 2, 4)  # e, g, rh, r0, q, s
-    return b.reshape(E, G * 16, 2 * Q)[:, :, :ks].contiguous()

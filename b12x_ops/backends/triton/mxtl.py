@@ -33,14 +33,13 @@ import triton.language as tl
 # (``_ptx_scales``). ``decode_repacked_ops`` is the same arithmetic in Triton operations (the
 # interpreter, and checkpoints with other scale bytes). ``tests/test_ptx_decode.py`` runs the asm
 # on an emulator of these instructions against the package's dequantizer on the CPU.
-def _decode_repacked_ptx_source(fold: bool = False, r0: str = "$5", r8: str = "$6") -> str:
-    """The asm: a word (``$4``) to its four bf16 pairs times their rows' scales (``r0``: row r0,
-    ``r8``: r0 + 8, each a bf16 pair of the scale twice): ``$0``/``$1`` the even weights of rows
-    r0/r0 + 8, ``$2``/``$3`` the odd ones."""
+def _decode_repacked_ptx_source(fold: bool = False) -> str:
+    """The asm: a word (``$4``) to its four bf16 pairs times their rows' scales (``$5``: row r0,
+    ``$6``: r0 + 8): ``$0``/``$1`` the even weights of rows r0/r0 + 8, ``$2``/``$3`` the odd ones."""
     bias = [] if fold else ["fma.rn.bf16x2 t, t, bias, nz;"]
     lines = ["", "{", ".reg .b32 t, u, v, msk, nz;" if fold else ".reg .b32 t, u, v, msk, bias, nz;",
              "mov.b32 msk, 0x81C081C0;", *([] if fold else ["mov.b32 bias, 0x7E807E80;"]), "mov.b32 nz, 0x80008000;"]
-    for out, shift, scale in (("$0", 0, r0), ("$1", 3, r8), ("$2", 6, r0)):
+    for out, shift, scale in (("$0", 0, "$5"), ("$1", 3, "$6"), ("$2", 6, "$5")):
         lines += ["and.b32 t, $4, msk;" if shift == 0 else f"shl.b32 t, $4, {shift};",
                   *([] if shift == 0 else ["and.b32 t, t, msk;"]), *bias, f"fma.rn.bf16x2 {out}, t, {scale}, nz;"]
     lines += [
@@ -51,7 +50,7 @@ def _decode_repacked_ptx_source(fold: bool = False, r0: str = "$5", r8: str = "$
         "shr.b32 v, $4, 4;",
         "lop3.b32 t, t, v, 0x00C000C0, 0xF8;",  # t | (v & e0, m bits)
         *bias,
-        f"fma.rn.bf16x2 $3, t, {r8}, nz;",
+        "fma.rn.bf16x2 $3, t, $6, nz;",
         "}",
         "",
     ]
@@ -60,10 +59,6 @@ def _decode_repacked_ptx_source(fold: bool = False, r0: str = "$5", r8: str = "$
 
 _DECODE_PTX = tl.constexpr(_decode_repacked_ptx_source())
 _DECODE_PTX_FOLD = tl.constexpr(_decode_repacked_ptx_source(fold=True))
-# (the Gluon kernels' form: the scales as four 32-bit operands, one a code byte, each the bf16 pair
-# of its row's scale: rows r0, r0, r0 + 8, r0 + 8; ``gluon_kernels._decode_operands``)
-_DECODE_PTX_W = tl.constexpr(_decode_repacked_ptx_source(r0="$5", r8="$7"))
-_DECODE_PTX_W_FOLD = tl.constexpr(_decode_repacked_ptx_source(fold=True, r0="$5", r8="$7"))
 
 
 @triton.jit
