@@ -378,7 +378,7 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
 # elements) for gemv1, 2 at one token where K <= 2048 (Qwen3: 17.4 against 17.8 us); 4 for gemv2,
 # 6 where N <= 1024: a slot's activation row in two runs, not three (same call, 4 -> 6 chunks: Qwen3 one
 # token 16.9 -> 15.5 us, two 25.5 -> 24.9; DSv4 22.4 -> 22.2 and 35.6 -> 35.8; gpt-oss, N = 2880,
-# 32.0 -> 32.5, so 4 there; ``benchmarks/results/gemv_mma_q2.md``).
+# 32.0 -> 32.5, so 4 there; ``benchmarks/NOTES.md``).
 GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
 GEMV_MMA_Q1, GEMV_MMA_Q1_SMALL_K, GEMV_MMA_Q2, GEMV_MMA_Q2_SHORT_N = 4, 2, 4, 6
 GEMV_MMA_SMALL_K, GEMV_MMA_SHORT_N = 2048, 1024
