@@ -36,7 +36,7 @@ _I16 = {"x_ptr", "wts_in_ptr", "out_ptr"}
 _I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cnt_ptr", "key_ptr", "off_ptr",
         "cnt1_ptr", "cnt2_ptr", "sync_ptr"}
 _U8 = {"w_ptr", "s_ptr", "w13_ptr", "s13_ptr", "w2_ptr", "s2_ptr"}
-_F32 = {"gs_ptr", "gs1_ptr", "h_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr", "g13_ptr", "g2_ptr", "part1_ptr", "part2_ptr"}
+_F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr", "g13_ptr", "g2_ptr", "part1_ptr", "part2_ptr"}
 
 
 def signature(launch: P.Launch) -> tuple[dict, dict]:
@@ -220,12 +220,12 @@ def main(argv=None):
                         print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |", flush=True)
 
 
-def _geometry(geo, deterministic=True):
+def _geometry(geo):
     """A CPU ``Geometry`` of a benchmark geometry (only shapes and flags matter here)."""
     from b12x_ops.handle import Geometry
 
     return Geometry(num_experts=geo["E"], hidden_size=geo["K"], intermediate_size=geo["N"], top_k=geo["top_k"],
-                    w13_layout="w13", activation="silu", swiglu_limit=geo["limit"], has_global_scales=False, deterministic=deterministic,
+                    w13_layout="w13", activation="silu", swiglu_limit=geo["limit"], has_global_scales=False, deterministic=True,
                     device=torch.device("cpu"))
 
 

@@ -380,58 +380,6 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
                                      (61, 62))
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-30b-a3b", "dsv4-tp4", "odd-3x96", "odd-ep"])
-def test_gpu_gemv_mma_red_matches_reference_and_handshake(name):
-    """The mma.sync GEMV with gemv1's sums added by atomics and SwiGLU + MXFP8 in gemv2's programs
-    (``Config.red1``, what untuned plans of a handle that need not be deterministic take): its
-    programs of 1, 2, 4 and 6 chunks, 1-4 tokens with padding and other ranks' ids, the limit, both
-    W13 layouts, against the reference and against the split-K handshake's form of the same tiles
-    (the same products; the sums' order differs), every one of 20 runs close to the first (atomics),
-    the sums zeroed again by the next call (a second batch after the first matches too), and under
-    CUDA-graph replay with new inputs. A deterministic handle never takes it."""
-    import dataclasses
-
-    from b12x_ops.backends.triton import _launch_all
-    from b12x_ops.backends.triton import plan as P
-
-    if not P.gluon_status(torch.device("cuda"))[0]:
-        pytest.skip("the mma.sync GEMV runs where the Gluon GEMMs do (sm_90, triton's Gluon)")
-    layer = make_layer(seed=sum(map(ord, name)) + 7, device="cuda", **GEOMETRIES[name])
-    ref = layer.prepare(backend="reference")
-    h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, frozen=False)
-    st = h._state
-    g = st.plans.geometry
-    assert st.plans.configs[1].mma and st.plans.configs[1].red1
-    det = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, deterministic=True)
-    assert det._state.plans.configs[1].mma and not det._state.plans.configs[1].red1
-    for q1, q2 in ((2, 4), (4, 6), (1, 1)):
-        for i, M in enumerate((1, 2, 4)):
-            cfg = P.mma_config(P.default_config(M, g, gemv=True), g, q1, q2)
-            assert cfg.red1
-            ordered = dataclasses.replace(cfg, red1=False)
-            for c in (cfg, ordered):
-                st.plans.reserve(M, c)
-            what = (name, q1, q2, M)
-            for seed in (70 + i, 80 + i):  # (the second batch: the sums the first left are zeroed)
-                x, ids, w = make_batch(layer, M, seed=seed, device="cuda", padding_rows=min(1, M // 2))
-                want = b12x_ops.moe_w4a8(x, ids, w, ref)
-                hs = torch.empty_like(x)
-                _launch_all(st, ordered, x, ids, w, hs)
-                out = torch.full_like(x, float("nan"))
-                _launch_all(st, cfg, x, ids, w, out)
-                assert rel_l2(out, want) <= 1e-2, (what, rel_l2(out, want))
-                assert rel_l2(out, hs) <= 2e-3, (what, rel_l2(out, hs))
-                first = out.clone()
-                for _ in range(20):
-                    _launch_all(st, cfg, x, ids, w, out)
-                    assert rel_l2(out, first) <= 2e-3, what
-                a = st.plans.arena.buffers
-                assert not a["cnt2"].any(), what
-    out = torch.empty_like(x)
-    _assert_graph_replays_new_inputs(lambda: _launch_all(st, cfg, x, ids, w, out), layer, ref, x, ids, w, out,
-                                     (71, 72))
-
-
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-30b-a3b", "odd-ep"])
 def test_gpu_gemv_fused_matches_two_launches(name):
     """The one-launch GEMV (``kernels.gemv_fused_kernel``, gemv2's programs waiting on their token's

@@ -3,8 +3,7 @@
 Per geometry and token count: the tl.dot GEMV's default plan, then each mma.sync form ``q1/q2``
 (gemv1's and gemv2's 64-element chunks a program; q1 = 0: the untuned plan's) or
 ``q1/q2/bn1/warps1/bn2/warps2`` (also the programs' columns and warps; ``mma_config``'s are
-64/4/64/4), either with ``/red`` or ``/ord`` after it (gemv1's sums added with atomics and SwiGLU in
-gemv2, ``Config.red1``, or the split-K handshake; else the handles' default), us per layer from CUDA-graph replay over 4 layers, each form's output against the
+64/4/64/4), us per layer from CUDA-graph replay over 4 layers, each form's output against the
 tl.dot plan's; the forms are timed ``ROUNDS`` times in turn (default 1), all times printed:
 
     python benchmarks/experiments/gemv_mma_forms.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2 2/4,4/4 [ROUNDS]
@@ -33,8 +32,7 @@ def main():
 
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
-    forms = [tuple(int(v) if v.isdigit() else v for v in f.split("/")) for f in sys.argv[3].split(",")] \
-        if len(sys.argv) > 3 else [(2, 4)]
+    forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [(2, 4)]
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for name in names:
         geo = GEOMETRIES[name]
@@ -59,12 +57,8 @@ def main():
                     try:
                         q1 = form[0] or P.gemv_mma_form(1, gp.geometry)[0]
                         cfg = P.mma_config(base, gp.geometry, q1, form[1])
-                        if form[-1] in ("red", "ord"):
-                            cfg = dataclasses.replace(cfg, red1=form[-1] == "red")
-                        sizes_ = [v for v in form[2:] if isinstance(v, int)]
-                        if sizes_:
-                            cfg = dataclasses.replace(cfg, bn1=sizes_[0], warps1=sizes_[1], bn2=sizes_[2],
-                                                      warps2=sizes_[3])
+                        if len(form) > 2:
+                            cfg = dataclasses.replace(cfg, bn1=form[2], warps1=form[3], bn2=form[4], warps2=form[5])
                         times.setdefault(form, []).append(whole(cfg))
                         if r == rounds - 1:
                             ts = " ".join(f"{t:.1f}" for t in times[form])

@@ -282,7 +282,7 @@ def _tune_one(state, cap):
         if math.isinf(t1[b1]) or math.isinf(t2[b2]):
             continue
         pick = dataclasses.replace(P.Config.of(bm, b1[0], b2[0], group[0].atomic, gemv=gemv), gluon=b1[1],
-                                   gluon2=b2[1], mma=mma, red1=group[0].red1)
+                                   gluon2=b2[1], mma=mma)
         gp.reserve(cap, pick)
         total = _time_ms(lambda: _launch_all(state, pick, x, ids, w, out), flush)
         if best is None or total < best[0]:
@@ -371,9 +371,9 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
                    a["cnt2"], a["sync"], m, x.stride(0), si0, si1, sw0, sw1, state.expert_offset, x_fp16, w_kind,
                    out.stride(0), int(out.dtype == torch.float16), state.limit)
             return
-        if cfg.xq and "prologue" in stages:  # (with red1 it also zeroes gemv1's sums, part1)
+        if cfg.xq and "prologue" in stages:
             ln = rn.prologue
-            ln((m, rn.xquant_tiles, 1), _as(x, _I16, ln), a["xq"], a["part1"], m, x.stride(0), x_fp16)
+            ln((m, rn.xquant_tiles, 1), _as(x, _I16, ln), a["xq"], m, x.stride(0), x_fp16)
         if "gemm1" in stages and cfg.mma:  # (gluon_gemv: x's quantized row from xq)
             ln = rn.gemm1
             ln((S * rn.n_tiles1, 1, 1), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
@@ -383,13 +383,7 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
             ln((S * rn.n_tiles1, 1, 1),
                _as(x, _I16, ln), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
                a["part1"], a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, x_fp16, state.limit)
-        if "gemm2" in stages and cfg.mma:  # (with red1, the activations from gemv1's sums in part1)
-            ln = rn.gemm2
-            ln((m * rn.n_tiles2, 1, 1),
-               a["act"], a["part1"], _as(ids, _I32, ln), _as(w, _I16, ln), state.w2, state.w2_scale, state.g2,
-               state.g13, _as(out, _I16, ln), a["part2"], a["cnt2"], m, si0, si1, sw0, sw1, state.expert_offset,
-               w_kind, out.stride(0), int(out.dtype == torch.float16), state.limit)
-        elif "gemm2" in stages:
+        if "gemm2" in stages:
             ln = rn.gemm2
             ln((m * rn.n_tiles2, 1, 1),
                a["act"], _as(ids, _I32, ln), _as(w, _I16, ln), state.w2, state.w2_scale, state.g2, _as(out, _I16, ln),

@@ -54,8 +54,7 @@ if HAS_GLUON_MMA:
         ``w, w + nw, ...``), ``a_l``/``b_l`` its operands, ``code_l`` a loaded ``[G, 1, 32, 16]`` chunk
         of codes, ``p7`` that chunk split ``[g, q, lane, s, kh, rh, kk]`` and ``s5_l`` its scale bytes
         ``[g, q, lane, s, rh]`` (as ``gluon_kernels.layouts``); the epilogue's ``q_l`` (gemv1:
-        ``[BN / 32, 32]``, a row a 32-element block) and ``o_l`` (``[R]`` or ``[BN]``, an element a
-        thread)."""
+        ``[BN / 32, 32]``, a row a 32-element block) or ``o_l`` (gemv2: ``[BN]``)."""
         mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[nw, 1], instr_shape=[16, 8])
         p7 = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [nw, 1, 1, 1, 1, 1, 1],
                               [6, 5, 4, 3, 2, 1, 0])
@@ -63,10 +62,9 @@ if HAS_GLUON_MMA:
                    b_l=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                    code_l=gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [nw, 1, 1, 1], [3, 2, 1, 0]), p7=p7,
                    s5_l=gl.SliceLayout(4, gl.SliceLayout(6, p7)))
-        o_l = gl.BlockedLayout([1], [32], [nw], [0])
         if gemv1:
-            return dict(out, q_l=gl.BlockedLayout([1, 1], [1, 32], [nw, 1], [1, 0]), o_l=o_l)
-        return dict(out, o_l=o_l)
+            return dict(out, q_l=gl.BlockedLayout([1, 1], [1, 32], [nw, 1], [1, 0]))
+        return dict(out, o_l=gl.BlockedLayout([1], [32], [nw], [0]))
 
     @gluon.jit
     def _gdc(PDL: gl.constexpr):
@@ -131,44 +129,6 @@ if HAS_GLUON_MMA:
         return xs
 
     @gluon.jit
-    def _act_row(h, gs_ptr, e, limit, q0, N: gl.constexpr, Q: gl.constexpr, HAS_GS: gl.constexpr,
-                 HAS_LIMIT: gl.constexpr, b_l: gl.constexpr, o_l: gl.constexpr):
-        """``_load_row``'s B fragments of chunks ``q0 ..`` of a slot's activation row, computed from gemv1's
-        fp32 sums ``h`` (``Config.red1``: up in ``h[:N]``, gate in ``h[N:]``, natural order): SwiGLU (+ limit)
-        and MXFP8 quant-dequant per 32-element block, as gemv1's epilogue does otherwise. A chunk's 32 even
-        elements (its two blocks' halves) and 32 odd ones are an element a lane (``o_l``, every warp
-        the same); shared memory takes them into column 0 of the fragments."""
-        KS: gl.constexpr = N // 32
-        cb = gl.arange(0, 32, layout=o_l)
-        first = cb < 16
-        sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        se = gl.allocate_shared_memory(gl.bfloat16, [Q, 32], sl)
-        so = gl.allocate_shared_memory(gl.bfloat16, [Q, 32], sl)
-        for q in gl.static_range(Q):
-            qq = q0 + q
-            src = h + 64 * qq + 32 * (cb // 16) + 2 * (cb % 16)
-            ok = (2 * qq + cb // 16) < KS
-            ae = _swiglu(gl.load(src, mask=ok, other=0.0), gl.load(src + N, mask=ok, other=0.0), gs_ptr, e, limit,
-                         HAS_GS, HAS_LIMIT)
-            ao = _swiglu(gl.load(src + 1, mask=ok, other=0.0), gl.load(src + N + 1, mask=ok, other=0.0), gs_ptr, e,
-                         limit, HAS_GS, HAS_LIMIT)
-            mx = gl.maximum(gl.abs(ae), gl.abs(ao))
-            pow2, inv = mxfp8_block_scale(gl.where(first, gl.max(gl.where(first, mx, 0.0), axis=0),
-                                                   gl.max(gl.where(first, 0.0, mx), axis=0)))
-            se.index(q).store(mxfp8_apply(ae, pow2, inv).to(gl.bfloat16))
-            so.index(q).store(mxfp8_apply(ao, pow2, inv).to(gl.bfloat16))
-        _barrier()
-        n_b = gl.arange(0, 8, layout=gl.SliceLayout(0, b_l))
-        col0 = (n_b == 0)[None, :]
-        xs = ()
-        for q in gl.static_range(Q):
-            xe = se.index(q).load(gl.SliceLayout(1, b_l))
-            xo = so.index(q).load(gl.SliceLayout(1, b_l))
-            xs = xs + ((gl.where(col0, xe[:, None], 0.0).to(gl.bfloat16),
-                        gl.where(col0, xo[:, None], 0.0).to(gl.bfloat16)),)
-        return xs
-
-    @gluon.jit
     def _chunk_mma(codes, scales, xe, xo, acc, R: gl.constexpr, FOLD: gl.constexpr, a_l: gl.constexpr,
                    p7: gl.constexpr):
         """One 64-element chunk: its ``[G, 1, 32, 16]`` codes decoded with their scale bytes into the A
@@ -185,16 +145,13 @@ if HAS_GLUON_MMA:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, E: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BN: gl.constexpr, Q: gl.constexpr, SPLIT: gl.constexpr,
         FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, code_l: gl.constexpr,
-        p7: gl.constexpr, s5_l: gl.constexpr, q_l: gl.constexpr, o_l: gl.constexpr, RED: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        p7: gl.constexpr, s5_l: gl.constexpr, q_l: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """Program (slot b, tile of BN columns, part of Q 64-element chunks of K; ``BN / 16`` row groups
         of up, then as many of gate, ``layouts(nw, True)``): ``kernels.gemv1_kernel``'s activations of the
         tile, x's row read from ``xq``. Every part stores its sums at its place in the tile's ``part``
         rows (``SPLIT`` of ``2 BN``) and counts itself in at ``cnt`` (zero between calls; unused for
-        one part); the last adds them in part order, applies SwiGLU and MXFP8 and writes row b of ``a``.
-        With ``RED`` (``Config.red1``) it instead adds its sums into slot b's row of ``part`` (``[S, 2N]``
-        fp32, up then gate, zeroed by x's quantizing launch) with atomics and exits; gemv2 does the rest."""
+        one part); the last adds them in part order, applies SwiGLU and MXFP8 and writes row b of ``a``."""
         b, part, pid_n = gemv_program(gl.program_id(0), S, SPLIT)
         m = b // TOPK
         gid = gl.load(ids_ptr + m.to(gl.int64) * stride_im + (b - m * TOPK) * stride_ik).to(gl.int64)
@@ -223,55 +180,46 @@ if HAS_GLUON_MMA:
             NT: gl.constexpr = (N + BN - 1) // BN
             tile = b.to(gl.int64) * NT + pid_n
             prow = part_ptr + tile * (SPLIT * R)
-            if RED:  # (an element a thread: no lane adds a copy)
-                r = gl.arange(0, R, layout=o_l)
-                col = pid_n * BN + r % BN
-                gl.atomic_add(part_ptr + b.to(gl.int64) * (2 * N) + (r // BN) * N + col, gl.convert_layout(v, o_l),
-                              mask=col < N, sem="relaxed")
-            else:
-                gl.store(prow + part * R + gl.arange(0, R, layout=gl.SliceLayout(1, mma)), v)
-                _barrier()  # (every thread's sums stored before the count; the release covers them)
-                last = True
+            gl.store(prow + part * R + gl.arange(0, R, layout=gl.SliceLayout(1, mma)), v)
+            _barrier()  # (every thread's sums stored before the count; the release covers them)
+            last = True
+            if SPLIT > 1:
+                last = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
+            if last:
+                BQ: gl.constexpr = BN // 32
+                rq = gl.arange(0, BQ, layout=gl.SliceLayout(1, q_l))
+                cq = gl.arange(0, 32, layout=gl.SliceLayout(0, q_l))
+                o = 32 * rq[:, None] + cq[None, :]
+                up = gl.zeros([BQ, 32], gl.float32, layout=q_l)
+                gate = gl.zeros([BQ, 32], gl.float32, layout=q_l)
+                for p in gl.static_range(SPLIT):  # (L2 reads: other programs wrote these)
+                    up += gl.load(prow + p * R + o, cache_modifier=".cg")
+                    gate += gl.load(prow + p * R + BN + o, cache_modifier=".cg")
                 if SPLIT > 1:
-                    last = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1
-                if last:
-                    BQ: gl.constexpr = BN // 32
-                    rq = gl.arange(0, BQ, layout=gl.SliceLayout(1, q_l))
-                    cq = gl.arange(0, 32, layout=gl.SliceLayout(0, q_l))
-                    o = 32 * rq[:, None] + cq[None, :]
-                    up = gl.zeros([BQ, 32], gl.float32, layout=q_l)
-                    gate = gl.zeros([BQ, 32], gl.float32, layout=q_l)
-                    for p in gl.static_range(SPLIT):  # (L2 reads: other programs wrote these)
-                        up += gl.load(prow + p * R + o, cache_modifier=".cg")
-                        gate += gl.load(prow + p * R + BN + o, cache_modifier=".cg")
-                    if SPLIT > 1:
-                        gl.store(cnt_ptr + tile, 0)
-                    act = _swiglu(up, gate, gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
-                    pow2, inv = mxfp8_block_scale(gl.max(gl.abs(act), axis=1))  # (a row: one 32-element block)
-                    act = mxfp8_apply(act, pow2[:, None], inv[:, None])
-                    offs_n = pid_n * BN + o
-                    gl.store(a_ptr + b.to(gl.int64) * N + split_col(offs_n), act.to(a_ptr.dtype.element_ty),
-                             mask=offs_n < N)
+                    gl.store(cnt_ptr + tile, 0)
+                act = _swiglu(up, gate, gs_ptr, e, limit, HAS_GS, HAS_LIMIT)
+                pow2, inv = mxfp8_block_scale(gl.max(gl.abs(act), axis=1))  # (a row: one 32-element block)
+                act = mxfp8_apply(act, pow2[:, None], inv[:, None])
+                offs_n = pid_n * BN + o
+                gl.store(a_ptr + b.to(gl.int64) * N + split_col(offs_n), act.to(a_ptr.dtype.element_ty),
+                         mask=offs_n < N)
 
     @gluon.jit(do_not_specialize=("M", "stride_im", "stride_ik", "stride_wm", "stride_wk", "expert_offset", "w_kind",
                                   "stride_om", "out_fp16"),
                do_not_specialize_on_alignment=("ids_ptr", "wts_ptr", "out_ptr"))
     def gemv2_mma_kernel(
-        a_ptr, h_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, gs1_ptr, out_ptr, part_ptr, cnt_ptr,
-        M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16, limit,
+        a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
+        M, stride_im, stride_ik, stride_wm, stride_wk, expert_offset, w_kind, stride_om, out_fp16,
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, E: gl.constexpr, HAS_GS: gl.constexpr,
         BN: gl.constexpr, Q: gl.constexpr, KP: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr,
         a_l: gl.constexpr, b_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
-        o_l: gl.constexpr, RED: gl.constexpr = False, HAS_LIMIT: gl.constexpr = False,
-        PDL: gl.constexpr = False,
+        o_l: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """Program (token m, tile of BN outputs, slot j and run ``part % KP`` of Q chunks of its activation
         row): ``wts * dq8(a) @ W2[e_j]^T`` over the run (zeros for a slot not ours), stored at its place
         in the tile's ``TOPK * KP`` parts; the last to count itself in adds them in (slot, run) order and
         writes the token's output row (``kernels.gemv2_kernel``'s sum; the router weights and ``out``
-        as its 16-bit words, ``w_kind`` and ``out_fp16`` as there). With ``RED`` (``Config.red1``) the run
-        of the activation row comes from gemv1's fp32 sums in ``h`` (``_act_row``: SwiGLU with W13's
-        global scale ``gs1`` and ``limit``, then MXFP8), not from ``a``."""
+        as its 16-bit words, ``w_kind`` and ``out_fp16`` as there)."""
         SPLIT: gl.constexpr = TOPK * KP
         NQ: gl.constexpr = (N // 2 + 31) // 32
         NS: gl.constexpr = N // 32
@@ -298,11 +246,7 @@ if HAS_GLUON_MMA:
         _gdc(PDL)
         v = gl.zeros([BN], gl.float32, layout=gl.SliceLayout(1, mma))
         if ours:
-            if RED:
-                xs = _act_row(h_ptr + (m64 * TOPK + j) * (2 * N), gs1_ptr, e, limit, (part % KP) * Q, N, Q, HAS_GS,
-                              HAS_LIMIT, b_l, o_l)
-            else:
-                xs = _load_row(a_ptr + (m64 * TOPK + j) * N, (part % KP) * Q, N, Q, b_l)
+            xs = _load_row(a_ptr + (m64 * TOPK + j) * N, (part % KP) * Q, N, Q, b_l)
             acc = gl.zeros([BN, 8], gl.float32, layout=mma)
             for q in gl.static_range(Q):
                 acc = _chunk_mma(codes[q], scales[q], xs[q][0], xs[q][1], acc, BN, FOLD, a_l, p7)

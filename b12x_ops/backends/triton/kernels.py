@@ -356,19 +356,12 @@ def prologue_kernel(
 
 
 @_jit(dns=("M", "stride_xm", "x_fp16"), dnsa=("x_ptr",))
-def xquant_kernel(x_ptr, xq_ptr, h_ptr, M, stride_xm, x_fp16, K: tl.constexpr, QK: tl.constexpr, HZ: tl.constexpr = 0,
-                  PDL: tl.constexpr = False):
+def xquant_kernel(x_ptr, xq_ptr, M, stride_xm, x_fp16, K: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token, ``QK`` columns): MXFP8 quant-dequant of that piece of x into ``xq`` (split
     column order), as the prologue's quantizing programs do. The GEMV path's first launch when its
-    config quantizes x once (``Config.xq``) instead of in every gemv1 program. With ``HZ`` > 0
-    (``Config.red1``) the token's programs also zero its ``HZ`` fp32 sums in ``h`` (gemv1 adds into them)."""
+    config quantizes x once (``Config.xq``) instead of in every gemv1 program."""
     pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
-    if HZ > 0:
-        ZB: tl.constexpr = 1024
-        for z in range(tl.program_id(1) * ZB, HZ, tl.num_programs(1) * ZB):
-            zo = z + tl.arange(0, ZB)
-            tl.store(h_ptr + m * HZ + zo, tl.zeros([ZB], tl.float32), mask=zo < HZ)
     ks = tl.program_id(1) * QK + tl.arange(0, QK)
     msk = ks < K
     raw = tl.load(x_ptr + m * stride_xm + ks, mask=msk, other=0)

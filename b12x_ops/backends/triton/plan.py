@@ -103,10 +103,6 @@ class Config:
     # cdiv(cdiv(K, 64), bk1 / 64)) and of bk2 / 64 a slot's run (split2 = top_k * cdiv(cdiv(N, 64), bk2 / 64));
     # untuned plans set it by ``gemv_mma_form`` (``mma_config``)
     mma: bool = False
-    # the mma.sync GEMV only, where calls need not be bit-identical run to run: gemv1's programs add
-    # their fp32 sums into the slot's up and gate row with atomics and exit (no split-K handshake),
-    # and gemv2's programs apply SwiGLU and MXFP8 to the run of that row they multiply
-    red1: bool = False
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -357,7 +353,7 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
     such steps give the plan's runs, there is no one-launch form."""
     if not (GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused):
         return None
-    out = dataclasses.replace(cfg, fused=True, xq=False, mma=False, red1=False)
+    out = dataclasses.replace(cfg, fused=True, xq=False, mma=False)
     q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
     if q1 & (q1 - 1) or q2 & (q2 - 1):
         if geometry is None:
@@ -386,8 +382,6 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
 GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
 GEMV_MMA_Q1, GEMV_MMA_Q1_SMALL_K, GEMV_MMA_Q2, GEMV_MMA_Q2_SHORT_N = 4, 2, 4, 6
 GEMV_MMA_SMALL_K, GEMV_MMA_SHORT_N = 2048, 1024
-# gemv1's sums added with atomics, SwiGLU and MXFP8 in gemv2 (``Config.red1``) unless deterministic
-GEMV_MMA_RED = os.environ.get("B12X_OPS_TRITON_GEMV_RED", "1") != "0"
 
 
 def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
@@ -406,7 +400,7 @@ def mma_config(cfg: "Config", geometry, q1: int, q2: int) -> "Config":
     nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
     return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
                                split1=-(-nq1 // q1), bn2=64, bk2=64 * q2, warps2=4, stages2=1,
-                               split2=g.top_k * -(-nq2 // q2), red1=GEMV_MMA_RED and not g.deterministic)
+                               split2=g.top_k * -(-nq2 // q2))
 
 
 def gemv_mma_status(device, ptx: bool = True) -> str:
@@ -742,7 +736,7 @@ class GeometryPlans:
     def launch(self, kind: str, cfg: Config, tokens: int | None = None) -> Launch:
         g = self.geometry
         if kind == "prologue" and cfg.gemv:
-            key = ("xquant", cfg.red1)
+            key = ("xquant",)
         elif kind == "prologue":
             rt, nbt = route_tiles(None if tokens is None else tokens * g.top_k, g.num_experts, cfg.bm)
             qs = quant_pieces(tokens, g.hidden_size)
@@ -750,9 +744,9 @@ class GeometryPlans:
         elif kind == "gemm1" and cfg.fused:
             key = ("gemv_fused",) + cfg.tiles1() + cfg.tiles2()
         elif kind == "gemm1" and cfg.gemv:
-            key = ("gemv1_mma" if cfg.mma else "gemv1",) + cfg.tiles1() + (cfg.red1,)
+            key = ("gemv1_mma" if cfg.mma else "gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
-            key = ("gemv2_mma" if cfg.mma else "gemv2",) + cfg.tiles2() + (cfg.red1,)
+            key = ("gemv2_mma" if cfg.mma else "gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
             key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
         elif kind == "gemm1":
@@ -776,8 +770,7 @@ class GeometryPlans:
             return Launch(fn, constexprs, num_warps, num_stages, maxnreg, pdl=self.pdl)
 
         if kind == "prologue" and cfg.gemv:
-            ln = mk(K_.xquant_kernel, dict(K=g.hidden_size, QK=PROLOGUE["QK"],
-                                           HZ=2 * g.top_k * g.intermediate_size if cfg.red1 else 0), 4, 1)
+            ln = mk(K_.xquant_kernel, dict(K=g.hidden_size, QK=PROLOGUE["QK"]), 4, 1)
         elif kind == "prologue":
             p = PROLOGUE
             ln = mk(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, RT=rt,
@@ -790,12 +783,11 @@ class GeometryPlans:
             if kind == "gemm1":
                 ln = Launch(GG.gemv1_mma_kernel, dict(gm, UP_FIRST=g.w13_layout == "w13",
                                                       HAS_LIMIT=g.swiglu_limit is not None, BN=cfg.bn1,
-                                                      Q=cfg.bk1 // 64, SPLIT=cfg.split1, RED=cfg.red1,
+                                                      Q=cfg.bk1 // 64, SPLIT=cfg.split1,
                                                       **GG.layouts(cfg.warps1, True)),
                             cfg.warps1, 1, pdl=self.mma_pdl)
             else:
                 ln = Launch(GG.gemv2_mma_kernel, dict(gm, BN=cfg.bn2, Q=cfg.bk2 // 64, KP=cfg.split2 // g.top_k,
-                                                      RED=cfg.red1, HAS_LIMIT=g.swiglu_limit is not None,
                                                       **GG.layouts(cfg.warps2, False)),
                             cfg.warps2, 1, pdl=self.mma_pdl)
         elif cfg.gemv:  # (gemv1, gemv2, or both as one launch)
@@ -856,12 +848,11 @@ class GeometryPlans:
         q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
         ok = (self.ptx and GG.HAS_GLUON_MMA and cfg.xq and not cfg.fused and cfg.bn1 % 32 == 0 and cfg.bn2 % 16 == 0
               and cfg.bk1 % 64 == 0 and cfg.bk2 % 64 == 0 and q1 >= 1 and q2 >= 1
-              and cfg.split1 == -(-nq1 // q1) and cfg.split2 == g.top_k * -(-nq2 // q2)
-              and not (cfg.red1 and g.deterministic))
+              and cfg.split1 == -(-nq1 // q1) and cfg.split2 == g.top_k * -(-nq2 // q2))
         if not ok:
             raise ValueError(f"b12x_ops triton backend: no mma.sync GEMV for {cfg} (it needs the inline-PTX decode, "
                              "triton's Gluon, x quantized first, bn1 a multiple of 32, bn2 of 16, bk1 and bk2 of 64, "
-                             "the splits of mma_config, and no atomic gemv1 (red1) in deterministic mode)")
+                             "and the splits of mma_config)")
 
     def reserve(self, cap: int, cfg: Config) -> None:
         g = self.geometry
@@ -942,9 +933,9 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 17, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 16, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 17 the mma.sync GEMV's gemv1 by atomics (red1); 16 the mma.sync GEMV's gemv2 of 4, 6 or 8 chunks; 15 the GEMV on mma.sync among the candidates; 14 block sizes and the GEMV path compared by
+    # (the version: 16 the mma.sync GEMV's gemv2 of 4, 6 or 8 chunks; 15 the GEMV on mma.sync among the candidates; 14 block sizes and the GEMV path compared by
     # the whole call's time; 13 the tuner's totals
     # with routing and finalize, timed from a cold L2; 12 GEMM2's 128-row tile; 11 the half tiles)
     h = hashlib.sha1(key.encode()).hexdigest()[:16]
