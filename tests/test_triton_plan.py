@@ -222,22 +222,31 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
             continue
         q1, q2 = form
         assert q1 == (2 if tokens == 1 and g.hidden_size <= 2048 else 4)
-        assert q2 == (6 if g.intermediate_size <= 1024 else 4)
-        assert got.gemv and got.xq and not got.fused and (got.bn1, got.bn2, got.warps1, got.warps2) == (64, 64, 4, 4)
+        nq = -(-g.intermediate_size // 64)
+        if g.intermediate_size > 1024:
+            assert q2 == 4
+        elif tokens == 2 and g.hidden_size <= 2048:  # (a slot's whole row a run)
+            assert q2 == nq
+        else:  # (runs of equal length, at most 6 chunks)
+            assert nq % q2 == 0 and q2 <= 6 and not any(nq % q == 0 for q in range(q2 + 1, 7))
+        bn2 = (128, 8) if g.hidden_size <= 2048 else (64, 4)  # (gemv2: 128-row programs where K is short)
+        assert got.gemv and got.xq and not got.fused and (got.bn1, got.warps1) == (64, 4)
+        assert (got.bn2, got.warps2) == bn2
         assert got.split1 * (got.bk1 // 64) >= nq1 > (got.split1 - 1) * (got.bk1 // 64)
         kp = got.split2 // g.top_k
         assert got.split2 % g.top_k == 0 and kp * (got.bk2 // 64) >= nq2 > (kp - 1) * (got.bk2 // 64)
         assert gp.with_gluon(got, tokens) == got
         eager = P.eager_form(got, g)
-        assert eager.fused and not eager.mma and not eager.xq
-        if q2 & (q2 - 1):  # (tl.dot's K steps are powers of two: runs of 6 chunks as 3 steps of 2)
-            assert eager.bk2 == 128 and eager.split2 == got.split2
-            steps = -(-nq2 // 2)
-            assert kp == 1 or -(-steps // kp) * 2 == q2
+        assert eager.fused and not eager.mma and not eager.xq and (eager.bn2, eager.warps2) == (64, 4)
+        if q2 & (q2 - 1):  # (tl.dot's K steps are powers of two: runs of 6 chunks as 3 steps of 2, of 3 as 3 of 1)
+            p = q2 & -q2
+            assert eager.bk2 == 64 * p and eager.split2 == got.split2
+            steps = -(-nq2 // p)
+            assert kp == 1 or -(-steps // kp) * p == q2
             with pytest.raises(ValueError, match="needs its geometry"):
                 P.eager_form(got)
         else:
-            assert eager.tiles2() == got.tiles2()
+            assert eager.tiles2() == (64, got.bk2, 4, got.stages2, got.split2)
         launches = gp.stages(got, tokens)
         assert [ln.fn.__name__ if ln else None for ln in launches] == ["xquant_kernel", "gemv1_mma_kernel",
                                                                        "gemv2_mma_kernel", None]
@@ -250,11 +259,15 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
         for bad in (dict(split1=got.split1 + 1), dict(xq=False), dict(bk2=96), dict(split2=got.split2 - 1)):
             with pytest.raises(ValueError, match="no mma.sync GEMV"):
                 gp.stages(dataclasses.replace(got, **bad), tokens)
-    # the tuner: with Gluon, six mma.sync forms beside the tl.dot GEMV tiles, a group of their own
+    # the tuner: with Gluon, the mma.sync forms (gemv1 of 2 or 4 chunks, gemv2 of 3, 4, 6, 8, a whole
+    # row and the defaults') beside the tl.dot GEMV tiles, a group of their own
     plain = P.candidate_configs(1, g, None)
     cands = P.candidate_configs(1, g, None, gluon=True)
     mma = [c for c in cands if c.mma]
-    assert not any(c.mma for c in plain) and len(mma) == 6 and all(c.gemv and c.xq for c in mma)
+    q2s = P.mma_q2_candidates(g)
+    assert {3, 4, 6, 8, nq2} <= set(q2s) and {P.gemv_mma_form(t, g)[1] for t in (1, 2) if P.gemv_mma_form(t, g)} <= set(q2s)
+    assert {(c.bk1 // 64, c.bk2 // 64) for c in mma} == {(q1, q2) for q1 in (2, 4) for q2 in q2s}
+    assert not any(c.mma for c in plain) and len(mma) == 2 * len(q2s) and all(c.gemv and c.xq for c in mma)
     for c in mma:
         gp.stages(c, 1)  # (passes _check_mma)
 

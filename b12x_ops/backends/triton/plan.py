@@ -347,13 +347,16 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
     """What a call of ``cfg``'s plan launches outside CUDA-graph capture where that differs from
     ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``; where ``cfg`` quantizes x in a launch
     of its own, the one launch quantizes it on the fly with the same tiles; the tl.dot kernels where
-    ``cfg`` runs them on mma.sync), else None. The tl.dot kernels' K steps are powers of two: a
+    ``cfg`` runs them on mma.sync, gemv2's programs then of 64 rows and 4 warps as the tl.dot GEMV's
+    defaults), else None. The tl.dot kernels' K steps are powers of two: a
     run of 6 chunks (an mma.sync plan's gemv2 where N <= 1024) they take as 3 steps of 2, the runs
     as long as the plan's, so that both add the same parts (this needs the ``geometry``); where no
     such steps give the plan's runs, there is no one-launch form."""
     if not (GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused):
         return None
     out = dataclasses.replace(cfg, fused=True, xq=False, mma=False)
+    if cfg.mma:
+        out = dataclasses.replace(out, bn2=GEMV_MMA_BN2[0], warps2=GEMV_MMA_BN2[1])
     q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
     if q1 & (q1 - 1) or q2 & (q2 - 1):
         if geometry is None:
@@ -378,10 +381,17 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
 # elements) for gemv1, 2 at one token where K <= 2048 (Qwen3: 17.4 against 17.8 us); 4 for gemv2,
 # 6 where N <= 1024: a slot's activation row in two runs, not three (same call, 4 -> 6 chunks: Qwen3 one
 # token 16.9 -> 15.5 us, two 25.5 -> 24.9; DSv4 22.4 -> 22.2 and 35.6 -> 35.8; gpt-oss, N = 2880,
-# 32.0 -> 32.5, so 4 there; ``benchmarks/NOTES.md``).
+# 32.0 -> 32.5, so 4 there; ``benchmarks/NOTES.md``). Where N <= 1024 the runs are of equal length, at most
+# 6 chunks (DSv4's 9 chunks as 3 runs of 3: one token 22.2 -> 21.2 us, two 36.0 -> 33.2), and at two tokens
+# where K <= 2048 a slot's whole row is one run (Qwen3, 12 chunks: 24.9 -> 23.2; at one token 15.2 -> 16.9,
+# so 6 there). Programs of 64 rows and 4 warps, but gemv2's of 128
+# rows and 8 warps where K <= 2048: half as many programs over K's few output tiles (same call, 64/4 ->
+# 128/8: Qwen3 one token 15.6 -> 15.1 us, two 26.0 -> 25.7; DSv4, K = 5120, 22.2 -> 22.2 and 35.8 -> 36.6;
+# gpt-oss 32.0 -> 32.6; ``benchmarks/results/gemv_forms.md``).
 GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
 GEMV_MMA_Q1, GEMV_MMA_Q1_SMALL_K, GEMV_MMA_Q2, GEMV_MMA_Q2_SHORT_N = 4, 2, 4, 6
 GEMV_MMA_SMALL_K, GEMV_MMA_SHORT_N = 2048, 1024
+GEMV_MMA_BN2, GEMV_MMA_BN2_SMALL_K = (64, 4), (128, 8)  # (gemv2's rows and warps a program)
 
 
 def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
@@ -391,15 +401,29 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     if tokens > (1 if g.intermediate_size >= GEMV_XQ_WIDE_N else GEMV_MMA_TOKENS):
         return None
     q1 = GEMV_MMA_Q1_SMALL_K if tokens == 1 and g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_Q1
-    return q1, GEMV_MMA_Q2_SHORT_N if g.intermediate_size <= GEMV_MMA_SHORT_N else GEMV_MMA_Q2
+    if g.intermediate_size > GEMV_MMA_SHORT_N:
+        return q1, GEMV_MMA_Q2
+    nq2 = -(-g.intermediate_size // 64)
+    if tokens > 1 and g.hidden_size <= GEMV_MMA_SMALL_K:
+        return q1, nq2  # (a slot's whole row a run)
+    return q1, max(q for q in range(1, GEMV_MMA_Q2_SHORT_N + 1) if nq2 % q == 0)  # (runs of equal length)
+
+
+def mma_q2_candidates(geometry) -> list[int]:
+    """gemv2's chunks a program that the tuner times on mma.sync: 3, 4, 6, 8, a slot's whole row and
+    the untuned plans' counts."""
+    forms = [gemv_mma_form(t, geometry) for t in (1, 2)]
+    return sorted({3, 4, 6, 8, -(-geometry.intermediate_size // 64)} | {f[1] for f in forms if f})
 
 
 def mma_config(cfg: "Config", geometry, q1: int, q2: int) -> "Config":
-    """GEMV ``cfg`` on mma.sync (``Config.mma``) with ``q1``/``q2`` chunks a program."""
+    """GEMV ``cfg`` on mma.sync (``Config.mma``) with ``q1``/``q2`` chunks a program; gemv2's programs
+    of 128 rows where K <= ``GEMV_MMA_SMALL_K``, else 64."""
     g = geometry
     nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
+    bn2, warps2 = GEMV_MMA_BN2_SMALL_K if g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_BN2
     return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
-                               split1=-(-nq1 // q1), bn2=64, bk2=64 * q2, warps2=4, stages2=1,
+                               split1=-(-nq1 // q1), bn2=bn2, bk2=64 * q2, warps2=warps2, stages2=1,
                                split2=g.top_k * -(-nq2 // q2))
 
 
@@ -507,8 +531,8 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
         for g1 in t1:
             for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
-        if gluon:  # (sm_90: the GEMV on mma.sync, a few chunk counts)
-            out += [mma_config(d, geometry, q1, q2) for q1 in (2, 4) for q2 in (4, 6, 8)]
+        if gluon:  # (sm_90: the GEMV on mma.sync, a few chunk counts, a slot's whole row among them)
+            out += [mma_config(d, geometry, q1, q2) for q1 in (2, 4) for q2 in mma_q2_candidates(geometry)]
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
