@@ -380,7 +380,7 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
                                      (61, 62))
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-30b-a3b", "odd-ep"])
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b", "odd-ep"])
 def test_gpu_gemv_fused_matches_two_launches(name):
     """The one-launch GEMV (``kernels.gemv_fused_kernel``, gemv2's programs waiting on their token's
     gemv1 programs inside one grid; what eager calls launch at 1-2 tokens) writes the same bits as

@@ -236,17 +236,21 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
         kp = got.split2 // g.top_k
         assert got.split2 % g.top_k == 0 and kp * (got.bk2 // 64) >= nq2 > (kp - 1) * (got.bk2 // 64)
         assert gp.with_gluon(got, tokens) == got
+        # eager calls: the tl.dot one launch in steps of one chunk over the plan's runs (the same
+        # products in the same order as the mma.sync kernels: the same bits)
         eager = P.eager_form(got, g)
         assert eager.fused and not eager.mma and not eager.xq and (eager.bn2, eager.warps2) == (64, 4)
-        if q2 & (q2 - 1):  # (tl.dot's K steps are powers of two: runs of 6 chunks as 3 steps of 2, of 3 as 3 of 1)
-            p = q2 & -q2
-            assert eager.bk2 == 64 * p and eager.split2 == got.split2
-            steps = -(-nq2 // p)
-            assert kp == 1 or -(-steps // kp) * p == q2
-            with pytest.raises(ValueError, match="needs its geometry"):
-                P.eager_form(got)
-        else:
-            assert eager.tiles2() == (64, got.bk2, 4, got.stages2, got.split2)
+        assert (eager.bk1, eager.bk2, eager.split1, eager.split2) == (64, 64, got.split1, got.split2)
+        assert (eager.bn1, eager.warps1) == (got.bn1, got.warps1)
+        for q, nq, runs in ((q1, nq1, got.split1), (q2, nq2, kp)):  # (the kernels' run: ceil(steps / runs) steps)
+            assert runs == 1 or -(-nq // runs) == q
+        with pytest.raises(ValueError, match="needs its geometry"):
+            P.eager_form(got)
+        # runs that steps of one chunk cannot cut as the plan does: no one-launch form (e.g. 4 + 4 + 1)
+        for q in range(1, nq2 + 1):
+            odd = P.mma_config(cfg, g, q1, q)
+            runs = odd.split2 // g.top_k
+            assert (P.eager_form(odd, g) is None) == (runs > 1 and -(-nq2 // runs) != q), q
         launches = gp.stages(got, tokens)
         assert [ln.fn.__name__ if ln else None for ln in launches] == ["xquant_kernel", "gemv1_mma_kernel",
                                                                        "gemv2_mma_kernel", None]

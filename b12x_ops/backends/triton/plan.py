@@ -346,29 +346,28 @@ def gemv_fused_status() -> str:
 def eager_form(cfg: "Config", geometry=None) -> "Config | None":
     """What a call of ``cfg``'s plan launches outside CUDA-graph capture where that differs from
     ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``; where ``cfg`` quantizes x in a launch
-    of its own, the one launch quantizes it on the fly with the same tiles; the tl.dot kernels where
-    ``cfg`` runs them on mma.sync, gemv2's programs then of 64 rows and 4 warps as the tl.dot GEMV's
-    defaults), else None. The tl.dot kernels' K steps are powers of two: a
-    run of 6 chunks (an mma.sync plan's gemv2 where N <= 1024) they take as 3 steps of 2, the runs
-    as long as the plan's, so that both add the same parts (this needs the ``geometry``); where no
-    such steps give the plan's runs, there is no one-launch form."""
+    of its own, the one launch quantizes it on the fly with the same tiles), else None.
+
+    Where ``cfg`` runs on mma.sync the one launch is the tl.dot kernels' in K steps of one 64-element
+    chunk, gemv2's programs of 64 rows and 4 warps, over runs as long as the plan's: the mma.sync
+    kernels multiply a run chunk by chunk, a chunk's even elements then its odd ones, and tl.dot
+    steps of one chunk do the same (longer steps take all of a step's even elements first), so both
+    add the same products in the same order and write the same bits. That needs the ``geometry``;
+    where steps of one chunk cannot cut the plan's runs, there is no one-launch form. (With steps of
+    four chunks, H200: one value in 4096 one bf16 unit apart at Qwen3's two tokens.)"""
     if not (GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused):
         return None
     out = dataclasses.replace(cfg, fused=True, xq=False, mma=False)
-    if cfg.mma:
-        out = dataclasses.replace(out, bn2=GEMV_MMA_BN2[0], warps2=GEMV_MMA_BN2[1])
-    q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
-    if q1 & (q1 - 1) or q2 & (q2 - 1):
-        if geometry is None:
-            raise ValueError(f"eager_form: {cfg} needs its geometry (K steps of {q1} and {q2} chunks)")
-        nq1, nq2 = -(-geometry.hidden_size // 64), -(-geometry.intermediate_size // 64)
-        runs1, runs2 = cfg.split1, cfg.split2 // geometry.top_k
-        p1, p2 = q1 & -q1, q2 & -q2  # (the largest powers of two that divide them)
-        for q, p, nq, runs in ((q1, p1, nq1, runs1), (q2, p2, nq2, runs2)):
-            if runs > 1 and -(-(-(-nq // p)) // runs) * p != q:  # (a run of the steps: as many chunks?)
-                return None
-        out = dataclasses.replace(out, bk1=64 * p1, bk2=64 * p2)
-    return out
+    if not cfg.mma:
+        return out
+    if geometry is None:
+        raise ValueError(f"eager_form: {cfg} needs its geometry (the runs of its mma.sync kernels)")
+    nq1, nq2 = -(-geometry.hidden_size // 64), -(-geometry.intermediate_size // 64)
+    runs1, runs2 = cfg.split1, cfg.split2 // geometry.top_k
+    for q, nq, runs in ((cfg.bk1 // 64, nq1, runs1), (cfg.bk2 // 64, nq2, runs2)):
+        if runs > 1 and -(-nq // runs) != q:  # (runs of one-chunk steps: as many chunks as the plan's?)
+            return None
+    return dataclasses.replace(out, bk1=64, bk2=64, bn2=GEMV_MMA_BN2[0], warps2=GEMV_MMA_BN2[1])
 
 
 # The GEMV path on mma.sync (``gluon_gemv``: both operands in registers, a program's loads first, the
