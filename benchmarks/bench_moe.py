@@ -69,8 +69,14 @@ def time_events(fn, reps=20):
     return ts[reps // 2] / 1e3
 
 
+WARM_S = 0.02  # (graph_time's warm-up: about this much GPU time of replays before the timed ones)
+
+
 def graph_time(calls, reps=20):
-    """Per-call seconds of a CUDA graph that replays every call in ``calls`` once."""
+    """Per-call seconds of a CUDA graph that replays every call in ``calls`` once. The timed replays
+    follow about ``WARM_S`` of untimed ones: a GPU left idle while the handles were prepared (tens
+    of seconds of compiling) idles at a low clock, and a few replays of a small graph take far less
+    than the time it needs to come up (the first point of a geometry would be timed slow)."""
     for c in calls:
         c()
     torch.cuda.synchronize()
@@ -78,7 +84,12 @@ def graph_time(calls, reps=20):
     with torch.cuda.graph(g):
         for c in calls:
             c()
+    t = time.perf_counter()
     for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    per = (time.perf_counter() - t) / 3
+    for _ in range(min(2000, int(WARM_S / max(per, 1e-6)))):
         g.replay()
     return time_events(g.replay, reps) / len(calls)
 
