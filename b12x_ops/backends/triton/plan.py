@@ -362,7 +362,7 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
         return out
     if geometry is None:
         raise ValueError(f"eager_form: {cfg} needs its geometry (the runs of its mma.sync kernels)")
-    nq1, nq2 = -(-geometry.hidden_size // 64), -(-geometry.intermediate_size // 64)
+    nq1, nq2 = mma_chunks(geometry)
     runs1, runs2 = cfg.split1, cfg.split2 // geometry.top_k
     for q, nq, runs in ((cfg.bk1 // 64, nq1, runs1), (cfg.bk2 // 64, nq2, runs2)):
         if runs > 1 and -(-nq // runs) != q:  # (runs of one-chunk steps: as many chunks as the plan's?)
@@ -393,6 +393,12 @@ GEMV_MMA_SMALL_K, GEMV_MMA_SHORT_N = 2048, 1024
 GEMV_MMA_BN2, GEMV_MMA_BN2_SMALL_K = (64, 4), (128, 8)  # (gemv2's rows and warps a program)
 
 
+def mma_chunks(geometry) -> tuple[int, int]:
+    """The 64-element chunks of gemv1's reduction (K) and of gemv2's (N): what the mma.sync GEMV's
+    programs take runs of."""
+    return -(-geometry.hidden_size // 64), -(-geometry.intermediate_size // 64)
+
+
 def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     """The mma.sync GEMV's chunks a program ``(gemv1, gemv2)`` for an untuned plan of ``tokens`` tokens,
     or None where the tl.dot GEMV is the default."""
@@ -402,7 +408,7 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     q1 = GEMV_MMA_Q1_SMALL_K if tokens == 1 and g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_Q1
     if g.intermediate_size > GEMV_MMA_SHORT_N:
         return q1, GEMV_MMA_Q2
-    nq2 = -(-g.intermediate_size // 64)
+    nq2 = mma_chunks(g)[1]
     if tokens > 1 and g.hidden_size <= GEMV_MMA_SMALL_K:
         return q1, nq2  # (a slot's whole row a run)
     return q1, max(q for q in range(1, GEMV_MMA_Q2_SHORT_N + 1) if nq2 % q == 0)  # (runs of equal length)
@@ -412,14 +418,14 @@ def mma_q2_candidates(geometry) -> list[int]:
     """gemv2's chunks a program that the tuner times on mma.sync: 3, 4, 6, 8, a slot's whole row and
     the untuned plans' counts."""
     forms = [gemv_mma_form(t, geometry) for t in (1, 2)]
-    return sorted({3, 4, 6, 8, -(-geometry.intermediate_size // 64)} | {f[1] for f in forms if f})
+    return sorted({3, 4, 6, 8, mma_chunks(geometry)[1]} | {f[1] for f in forms if f})
 
 
 def mma_config(cfg: "Config", geometry, q1: int, q2: int) -> "Config":
     """GEMV ``cfg`` on mma.sync (``Config.mma``) with ``q1``/``q2`` chunks a program; gemv2's programs
     of 128 rows where K <= ``GEMV_MMA_SMALL_K``, else 64."""
     g = geometry
-    nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
+    nq1, nq2 = mma_chunks(g)
     bn2, warps2 = GEMV_MMA_BN2_SMALL_K if g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_BN2
     return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
                                split1=-(-nq1 // q1), bn2=bn2, bk2=64 * q2, warps2=warps2, stages2=1,
@@ -867,7 +873,7 @@ class GeometryPlans:
     def _check_mma(self, cfg: Config) -> None:
         """The mma.sync GEMV's requirements (``gluon_gemv``), before anything compiles."""
         g = self.geometry
-        nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
+        nq1, nq2 = mma_chunks(g)
         q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
         ok = (self.ptx and GG.HAS_GLUON_MMA and cfg.xq and not cfg.fused and cfg.bn1 % 32 == 0 and cfg.bn2 % 16 == 0
               and cfg.bk1 % 64 == 0 and cfg.bk2 % 64 == 0 and q1 >= 1 and q2 >= 1
