@@ -1,9 +1,9 @@
 """Where an eager call's host time goes on a GPU machine: per-call microseconds of the op and of
 its pieces, each layer peeled off in turn (an experiment: ``benchmarks/NOTES.md`` says what it found).
 
-    python benchmarks/experiments/host_probe.py [--sizes 1 64] [--calls 10]
+    python benchmarks/experiments/host_probe.py [--sizes 1 64] [--calls 10] [--geometry qwen3-30b-a3b]
 
-Per token count, on a Qwen3-30B-A3B-shaped layer (E = 128, K = 2048, N = 768, top-8): host time
+Per token count, on a layer of one of the benchmark's geometries (Qwen3-30B-A3B by default): host time
 per call (``--calls`` calls between synchronizations, so the launch queue never fills; median of
 20 such runs) of
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends import triton as TB  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import random_layer, routing  # noqa: E402
+from bench_moe import GEOMETRIES, random_layer, routing  # noqa: E402
 
 
 def host_us(fn, calls, runs=20):
@@ -55,9 +55,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs="*", type=int, default=[1, 64])
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--geometry", default="qwen3-30b-a3b", choices=sorted(GEOMETRIES))
     args = ap.parse_args()
-    E, K, N, top_k = 128, 2048, 768, 8
-    h = b12x_ops.prepare_experts(*random_layer(E, K, N, "cuda", 5), top_k=top_k, backend="triton", tune=False,
+    geo = GEOMETRIES[args.geometry]
+    E, K, N, top_k = geo["E"], geo["K"], geo["N"], geo["top_k"]
+    h = b12x_ops.prepare_experts(*random_layer(E, K, N, "cuda", 5), top_k=top_k, swiglu_limit=geo["limit"],
+                                 backend="triton", tune=False,
                                  max_tokens=max(args.sizes))
     lib = torch.library.Library("b12x_probe", "DEF")
     lib.define("empty(Tensor x, Tensor ids, Tensor w, Tensor(a!) out) -> ()")
