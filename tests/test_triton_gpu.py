@@ -532,7 +532,7 @@ def test_gpu_half_tiles_write_what_full_tiles_write(name, monkeypatch):
                 assert torch.equal(got, want), (name, bm, cfg.gluon, cfg.gluon2, what)
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "odd-ep"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "dsv4-tp4", "odd-ep"])
 def test_gpu_every_tile_candidate_matches_reference(name):
     """Every configuration the tuner may pick (GEMV and blocked tiles, 4- and 8-warp programs)
     against the reference, each run 5 times, with the intermediate activations checked finite:

@@ -309,3 +309,22 @@ def test_long_reductions_take_128_row_blocks_from_48_rows_an_expert():
     for tokens in (512, 1024, 2048, 8192):  # (the rule moves no count of a short reduction)
         rows = tokens * dsv4.top_k / dsv4.num_experts
         assert P._regime(tokens, dsv4) == next(c for b, c in P._REGIMES if rows <= b)
+
+
+def test_short_reductions_take_gemm2_of_128_rows_at_16_row_blocks():
+    """16-row blocks run GEMM2 in 128 weight rows a program (one warpgroup) where N <= GEMM2_WIDE_MAX_N
+    (DSv4, Qwen3), 64 where the reduction is long (gpt-oss); the tuner times both tiles wherever
+    16-row blocks may serve."""
+    gpt, dsv4, qwen = (geometry(*GEOS[n]) for n in ("gpt-oss-120b", "dsv4.1-tp4", "qwen3-30b-a3b"))
+    for g in (gpt, dsv4, qwen):
+        wide = g.intermediate_size <= P.GEMM2_WIDE_MAX_N
+        for tokens in (8, 16, 64):
+            cfg = P.default_config(tokens, g)
+            assert cfg.bm == 16 and not cfg.gemv
+            assert cfg.tiles2()[:4] == (P.GEMM2_WIDE_16 if wide else (64, 128, 4, 3)), (g, tokens)
+            cands = P.candidate_configs(tokens, g)
+            assert cfg in cands
+            assert {c.tiles2()[:4] for c in cands if c.bm == 16} >= {P.GEMM2_WIDE_16, (64, 128, 4, 3)}
+        small = P.default_config(64, g, gemv=False)  # (the rule leaves GEMM1 and the block size alone)
+        assert (small.bm, small.tiles1()[:4]) == (16, (64, 128, 4, 3))
+    assert P.GEMM2_WIDE_MAX_N < gpt.intermediate_size and dsv4.intermediate_size <= P.GEMM2_WIDE_MAX_N

@@ -254,6 +254,18 @@ def half_tiles_status() -> str:
     return "off (B12X_OPS_TRITON_HALF=0)"
 
 
+# GEMM2 of 16-row blocks where its reduction is short (N <= GEMM2_WIDE_MAX_N): 128 weight rows a
+# program in one warpgroup (two m64 MMAs a step on the same activations) instead of 64. Its loop
+# spends 3.3 SASS instructions a weight against 3.9 (417 for 128 weights a thread a step against
+# 250 for 64: the step's addressing, barriers and pipeline bookkeeping are shared by twice the
+# weights), at 123-127 registers against 69-78. H200, whole op at 16/32/64 tokens
+# (``results/sweep_gemm2_wide.md``): DSv4 (N = 576) 3.6/4.5/5.3 % and Qwen3 (N = 768) 1.4/2.0/2.0 %
+# faster; gpt-oss (N = 2880) 1.6/1.8 % faster and 0.9 % slower, so long reductions keep 64 rows
+# (the tuner times both everywhere).
+GEMM2_WIDE_16 = (128, 128, 4, 3)
+GEMM2_WIDE_MAX_N = 1024
+
+
 def _stages(bk: int, stages: int) -> int:
     """Pipeline stages a launch gets: at most 2 for 64-element K steps (see ``_REGIMES``)."""
     return min(stages, 2) if bk <= 64 else stages
@@ -518,6 +530,8 @@ def default_config(tokens: int, geometry, gemv=None) -> Config:
     if use_gemv(tokens, geometry, gemv):
         return gemv_config(tokens, geometry)
     bm, g1, g2 = _regime(tokens, geometry)[0]
+    if bm == 16 and geometry.intermediate_size <= GEMM2_WIDE_MAX_N:
+        g2 = GEMM2_WIDE_16
     return Config(bm, *g1, *g2, _atomic(tokens, geometry))
 
 
@@ -541,9 +555,12 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
+    g2s = [g2 for _, _, g2 in cands]
+    if any(bm == 16 for bm, _, _ in cands):  # (GEMM2's 128-row tile of 16-row blocks, wherever they may serve)
+        g2s.append(GEMM2_WIDE_16)
     for bm, _, _ in cands:
         for _, g1, _ in cands:
-            for _, _, g2 in cands:
+            for g2 in g2s:
                 c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
                 if c not in out:
                     out.append(c)
@@ -962,9 +979,9 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 17, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 18, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 17 the mma.sync GEMV's gemv2 of 3, 4, 6, 8 chunks or a whole row, of 128 rows where
+    # (the version: 18 GEMM2's 128-row tile of 16-row blocks among the candidates; 17 the mma.sync GEMV's gemv2 of 3, 4, 6, 8 chunks or a whole row, of 128 rows where
     # K <= 2048; 16 the mma.sync GEMV's gemv2 of 4, 6 or 8 chunks; 15 the GEMV on mma.sync among the candidates; 14 block sizes and the GEMV path compared by
     # the whole call's time; 13 the tuner's totals
     # with routing and finalize, timed from a cold L2; 12 GEMM2's 128-row tile; 11 the half tiles)
