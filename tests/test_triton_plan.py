@@ -313,8 +313,8 @@ def test_long_reductions_take_128_row_blocks_from_48_rows_an_expert():
 
 def test_short_reductions_take_gemm2_of_128_rows_at_16_row_blocks():
     """16-row blocks run GEMM2 in 128 weight rows a program (one warpgroup) where N <= GEMM2_WIDE_MAX_N
-    (DSv4, Qwen3), 64 where the reduction is long (gpt-oss); the tuner times both tiles wherever
-    16-row blocks may serve."""
+    (DSv4, Qwen3), 64 where the reduction is long (gpt-oss); the tuner times both tiles, and GEMM1's
+    256-row tile beside its default, wherever 16-row blocks may serve."""
     gpt, dsv4, qwen = (geometry(*GEOS[n]) for n in ("gpt-oss-120b", "dsv4.1-tp4", "qwen3-30b-a3b"))
     for g in (gpt, dsv4, qwen):
         wide = g.intermediate_size <= P.GEMM2_WIDE_MAX_N
@@ -325,6 +325,7 @@ def test_short_reductions_take_gemm2_of_128_rows_at_16_row_blocks():
             cands = P.candidate_configs(tokens, g)
             assert cfg in cands
             assert {c.tiles2()[:4] for c in cands if c.bm == 16} >= {P.GEMM2_WIDE_16, (64, 128, 4, 3)}
+            assert {c.tiles1()[:4] for c in cands if c.bm == 16} >= {P.GEMM1_WIDE_16, (64, 128, 4, 3)}
         small = P.default_config(64, g, gemv=False)  # (the rule leaves GEMM1 and the block size alone)
         assert (small.bm, small.tiles1()[:4]) == (16, (64, 128, 4, 3))
     assert P.GEMM2_WIDE_MAX_N < gpt.intermediate_size and dsv4.intermediate_size <= P.GEMM2_WIDE_MAX_N

@@ -264,6 +264,12 @@ def half_tiles_status() -> str:
 # (the tuner times both everywhere).
 GEMM2_WIDE_16 = (128, 128, 4, 3)
 GEMM2_WIDE_MAX_N = 1024
+# GEMM1's tile of 256 weight rows (128 of up, 128 of gate) in one warpgroup: 2.9 SASS instructions a
+# weight against 3.3, at 164 registers against 95 (three programs an SM instead of five). H200
+# (``results/sweep_gemm2_wide.md``): slower on DSv4 at 16 and 64 tokens (+10 %, +5 %) and on gpt-oss
+# at 16 (+2 %), faster on gpt-oss at 64 (-1.7 %; -4.4 % with GEMM2_WIDE_16). Not a default; the tuner
+# times it wherever 16-row blocks may serve.
+GEMM1_WIDE_16 = (128, 128, 4, 3)
 
 
 def _stages(bk: int, stages: int) -> int:
@@ -555,11 +561,13 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
+    g1s = [g1 for _, g1, _ in cands]
     g2s = [g2 for _, _, g2 in cands]
-    if any(bm == 16 for bm, _, _ in cands):  # (GEMM2's 128-row tile of 16-row blocks, wherever they may serve)
+    if any(bm == 16 for bm, _, _ in cands):  # (the wide tiles of 16-row blocks, wherever they may serve)
+        g1s.append(GEMM1_WIDE_16)
         g2s.append(GEMM2_WIDE_16)
     for bm, _, _ in cands:
-        for _, g1, _ in cands:
+        for g1 in g1s:
             for g2 in g2s:
                 c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
                 if c not in out:
