@@ -311,21 +311,24 @@ def test_long_reductions_take_128_row_blocks_from_48_rows_an_expert():
         assert P._regime(tokens, dsv4) == next(c for b, c in P._REGIMES if rows <= b)
 
 
-def test_short_reductions_take_gemm2_of_128_rows_at_16_row_blocks():
-    """16-row blocks run GEMM2 in 128 weight rows a program (one warpgroup) where N <= GEMM2_WIDE_MAX_N
-    (DSv4, Qwen3), 64 where the reduction is long (gpt-oss); the tuner times both tiles, and GEMM1's
-    256-row tile beside its default, wherever 16-row blocks may serve."""
+def test_16_row_blocks_take_the_wide_tiles():
+    """16-row blocks run GEMM2 in 128 weight rows a program (one warpgroup) everywhere, and GEMM1 in
+    256 (128 of up, 128 of gate) where N >= GEMM1_WIDE_MIN_N and an expert gets at least
+    GEMM1_WIDE_MIN_ROWS rows (gpt-oss from 64 tokens); the tuner times both tiles of both GEMMs
+    wherever 16-row blocks may serve."""
+    narrow1, narrow2 = (64, 128, 4, 3), (64, 128, 4, 3)
     gpt, dsv4, qwen = (geometry(*GEOS[n]) for n in ("gpt-oss-120b", "dsv4.1-tp4", "qwen3-30b-a3b"))
+    want1 = {(gpt, 8): narrow1, (gpt, 16): narrow1, (gpt, 32): narrow1, (gpt, 64): P.GEMM1_WIDE_16,
+             (gpt, 128): P.GEMM1_WIDE_16}
     for g in (gpt, dsv4, qwen):
-        wide = g.intermediate_size <= P.GEMM2_WIDE_MAX_N
-        for tokens in (8, 16, 64):
+        for tokens in (8, 16, 32, 64, 128):
             cfg = P.default_config(tokens, g)
             assert cfg.bm == 16 and not cfg.gemv
-            assert cfg.tiles2()[:4] == (P.GEMM2_WIDE_16 if wide else (64, 128, 4, 3)), (g, tokens)
+            assert cfg.tiles2()[:4] == P.GEMM2_WIDE_16, (g, tokens)
+            assert cfg.tiles1()[:4] == want1.get((g, tokens), narrow1), (g, tokens)
             cands = P.candidate_configs(tokens, g)
             assert cfg in cands
-            assert {c.tiles2()[:4] for c in cands if c.bm == 16} >= {P.GEMM2_WIDE_16, (64, 128, 4, 3)}
-            assert {c.tiles1()[:4] for c in cands if c.bm == 16} >= {P.GEMM1_WIDE_16, (64, 128, 4, 3)}
-        small = P.default_config(64, g, gemv=False)  # (the rule leaves GEMM1 and the block size alone)
-        assert (small.bm, small.tiles1()[:4]) == (16, (64, 128, 4, 3))
-    assert P.GEMM2_WIDE_MAX_N < gpt.intermediate_size and dsv4.intermediate_size <= P.GEMM2_WIDE_MAX_N
+            assert {c.tiles2()[:4] for c in cands if c.bm == 16} >= {P.GEMM2_WIDE_16, narrow2}
+            assert {c.tiles1()[:4] for c in cands if c.bm == 16} >= {P.GEMM1_WIDE_16, narrow1}
+    assert P._rows(64, gpt) == P.GEMM1_WIDE_MIN_ROWS and P._rows(32, gpt) < P.GEMM1_WIDE_MIN_ROWS
+    assert dsv4.intermediate_size < qwen.intermediate_size < P.GEMM1_WIDE_MIN_N <= gpt.intermediate_size

@@ -254,22 +254,24 @@ def half_tiles_status() -> str:
     return "off (B12X_OPS_TRITON_HALF=0)"
 
 
-# GEMM2 of 16-row blocks where its reduction is short (N <= GEMM2_WIDE_MAX_N): 128 weight rows a
-# program in one warpgroup (two m64 MMAs a step on the same activations) instead of 64. Its loop
-# spends 3.3 SASS instructions a weight against 3.9 (417 for 128 weights a thread a step against
-# 250 for 64: the step's addressing, barriers and pipeline bookkeeping are shared by twice the
-# weights), at 123-127 registers against 69-78. H200, whole op at 16/32/64 tokens
-# (``results/sweep_gemm2_wide.md``): DSv4 (N = 576) 3.6/4.5/5.3 % and Qwen3 (N = 768) 1.4/2.0/2.0 %
-# faster; gpt-oss (N = 2880) 1.6/1.8 % faster and 0.9 % slower, so long reductions keep 64 rows
-# (the tuner times both everywhere).
+# The wide tiles of 16-row blocks (one warpgroup a program, ``results/sweep_gemm2_wide.md``):
+# - GEMM2 in 128 weight rows a program instead of 64 (two m64 MMAs a step on the same activations),
+#   everywhere. Its loop spends 3.3 SASS instructions a weight against 3.9 (417 for 128 weights a
+#   thread a step against 250 for 64: the step's addressing, barriers and pipeline bookkeeping are
+#   shared by twice the weights), at 123-127 registers against 69-78. H200, whole op at 16/32/64
+#   tokens: DSv4 3.6/4.5/5.3 %, Qwen3 1.4/2.0/2.0 %, gpt-oss 0.9-1.6/1.8-2.2 % faster (at 64 tokens
+#   gpt-oss gains only with GEMM1's wide tile below).
+# - GEMM1 in 256 weight rows (128 of up, 128 of gate) instead of 128: 2.9 instructions a weight
+#   against 3.3, at 164 registers against 95 (three programs an SM instead of five). It pays only
+#   where N is long and an expert has a few rows: gpt-oss (N = 2880) 3.4-4.4 % faster at 64 tokens and
+#   2.9 % at 128 with both wide tiles (2 and 4 rows an expert), 0.6-2 % slower at 16-32 tokens (at
+#   most one); DSv4 (N = 576: 5 tiles of 128 columns, the last half empty) 5-10 % slower, Qwen3
+#   (N = 768) even to 2 % slower. So it needs N >= GEMM1_WIDE_MIN_N and GEMM1_WIDE_MIN_ROWS rows an
+#   expert; the tuner times both tiles of both GEMMs wherever 16-row blocks may serve.
 GEMM2_WIDE_16 = (128, 128, 4, 3)
-GEMM2_WIDE_MAX_N = 1024
-# GEMM1's tile of 256 weight rows (128 of up, 128 of gate) in one warpgroup: 2.9 SASS instructions a
-# weight against 3.3, at 164 registers against 95 (three programs an SM instead of five). H200
-# (``results/sweep_gemm2_wide.md``): slower on DSv4 at 16 and 64 tokens (+10 %, +5 %) and on gpt-oss
-# at 16 (+2 %), faster on gpt-oss at 64 (-1.7 %; -4.4 % with GEMM2_WIDE_16). Not a default; the tuner
-# times it wherever 16-row blocks may serve.
 GEMM1_WIDE_16 = (128, 128, 4, 3)
+GEMM1_WIDE_MIN_N = 2048
+GEMM1_WIDE_MIN_ROWS = 2
 
 
 def _stages(bk: int, stages: int) -> int:
@@ -286,10 +288,15 @@ def _stages(bk: int, stages: int) -> int:
 LONG_N_BM128_ROWS = 48
 
 
+def _rows(tokens: int, geometry) -> float:
+    """Rows an expert a call of ``tokens`` routes, if its slots went to as many experts as they can."""
+    slots = tokens * geometry.top_k
+    return slots / max(1, min(geometry.num_experts, slots))
+
+
 def _regime(tokens: int, geometry):
     g = geometry
-    slots = tokens * g.top_k
-    rows = slots / max(1, min(g.num_experts, slots))
+    rows = _rows(tokens, g)
     if g.intermediate_size >= GLUON2_MIN_N and rows > LONG_N_BM128_ROWS:
         return _REGIMES[-1][1]
     for bound, cands in _REGIMES:
@@ -536,8 +543,10 @@ def default_config(tokens: int, geometry, gemv=None) -> Config:
     if use_gemv(tokens, geometry, gemv):
         return gemv_config(tokens, geometry)
     bm, g1, g2 = _regime(tokens, geometry)[0]
-    if bm == 16 and geometry.intermediate_size <= GEMM2_WIDE_MAX_N:
+    if bm == 16:  # (the wide tiles above)
         g2 = GEMM2_WIDE_16
+        if geometry.intermediate_size >= GEMM1_WIDE_MIN_N and _rows(tokens, geometry) >= GEMM1_WIDE_MIN_ROWS:
+            g1 = GEMM1_WIDE_16
     return Config(bm, *g1, *g2, _atomic(tokens, geometry))
 
 
@@ -987,9 +996,10 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 18, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 19, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 18 GEMM2's 128-row tile of 16-row blocks among the candidates; 17 the mma.sync GEMV's gemv2 of 3, 4, 6, 8 chunks or a whole row, of 128 rows where
+    # (the version: 19 GEMM1's 256-row tile of 16-row blocks among the candidates; 18 GEMM2's 128-row
+    # tile of 16-row blocks among them; 17 the mma.sync GEMV's gemv2 of 3, 4, 6, 8 chunks or a whole row, of 128 rows where
     # K <= 2048; 16 the mma.sync GEMV's gemv2 of 4, 6 or 8 chunks; 15 the GEMV on mma.sync among the candidates; 14 block sizes and the GEMV path compared by
     # the whole call's time; 13 the tuner's totals
     # with routing and finalize, timed from a cold L2; 12 GEMM2's 128-row tile; 11 the half tiles)
