@@ -72,11 +72,11 @@ def time_events(fn, reps=20):
 WARM_S = 0.02  # (graph_time's warm-up: about this much GPU time of replays before the timed ones)
 
 
-def graph_time(calls, reps=20):
-    """Per-call seconds of a CUDA graph that replays every call in ``calls`` once. The timed replays
-    follow about ``WARM_S`` of untimed ones: a GPU left idle while the handles were prepared (tens
-    of seconds of compiling) idles at a low clock, and a few replays of a small graph take far less
-    than the time it needs to come up (the first point of a geometry would be timed slow)."""
+def warm_graph(calls):
+    """A CUDA graph that replays every call in ``calls`` once, after about ``WARM_S`` of untimed
+    replays: a GPU left idle while the handles were prepared (tens of seconds of compiling) idles at
+    a low clock, and a few replays of a small graph take far less than the time it needs to come up
+    (the first point of a geometry would be timed slow)."""
     for c in calls:
         c()
     torch.cuda.synchronize()
@@ -91,7 +91,36 @@ def graph_time(calls, reps=20):
     per = (time.perf_counter() - t) / 3
     for _ in range(min(2000, int(WARM_S / max(per, 1e-6)))):
         g.replay()
-    return time_events(g.replay, reps) / len(calls)
+    return g
+
+
+def graph_time(calls, reps=20):
+    """Per-call seconds of a CUDA graph that replays every call in ``calls`` once (``warm_graph``)."""
+    return time_events(warm_graph(calls).replay, reps) / len(calls)
+
+
+def eager_and_graph(call, reps=10, rounds=5, loop=50):
+    """``(eager, graph, overhead)`` seconds a call of ``call``: eagerly (the wall time a call of a
+    synchronized loop of ``loop`` calls) and replayed from a CUDA graph (``time_events``, ``reps``
+    replays), timed in ``rounds`` alternating rounds, each the median over the rounds; ``overhead`` is
+    the median of the rounds' differences. Timed side by side, a drift of the GPU's clock between
+    the two (a few percent of a millisecond call) does not pass for host overhead."""
+    g = warm_graph([call])
+    for _ in range(5):
+        call()
+    eager, graph, diff = [], [], []
+    for _ in range(rounds):
+        gt = time_events(g.replay, reps)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(loop):
+            call()
+        torch.cuda.synchronize()
+        et = (time.perf_counter() - t) / loop
+        eager.append(et)
+        graph.append(gt)
+        diff.append(et - gt)
+    return tuple(sorted(v)[rounds // 2] for v in (eager, graph, diff))
 
 
 def random_layer(E, K, N, device, gen_seed):
@@ -283,20 +312,10 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         flops = 2 * M * top_k * (K * 2 * N + N * K)
         t_hbm, t_flop = nbytes / bw, flops / peak
         limit_s = max(t_hbm, t_flop)
-        # eager: wall time per call of a synchronized loop, and host time to issue one call
+        # eager: wall time per call of a synchronized loop against one layer's graph, side by side
+        # (``eager_and_graph``), and host time to issue one call
         h0, x0, i0, w0, o0 = handles[0], xs[0], rt[0][1], rt[0][2], outs[0]
-        for _ in range(5):
-            b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
-        torch.cuda.synchronize()
-        loops = []  # (the median of three loops: one transient stall of the host does not set it)
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(100):
-                b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
-            torch.cuda.synchronize()
-            loops.append((time.perf_counter() - t) / 100)
-        eager = sorted(loops)[1]
+        eager, single, overhead = eager_and_graph(lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0), args.reps)
         # what an eager call launches: the GEMV path's one launch (kept at prepare where faster) or not
         eager_fused = bool(h0._state.plans.runner_for(M, lambda: False).cfg.fused)
         # host cost of issuing one call: few enough calls that the launch queue never fills
@@ -310,11 +329,10 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         host = sorted(hosts)[2]
         if args.diagnose and M == min(args.sizes):
             log_host_profile(lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0), log)
-        single = graph_time([lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)], args.reps)
         p = dict(M=M, ours_us=ours * 1e6, limit_us=limit_s * 1e6, hbm_limit_us=t_hbm * 1e6, flop_limit_us=t_flop * 1e6,
                  bytes=nbytes, flops=flops, distinct_experts=distinct, rel_err_vs_ref=err,
                  pct_of_limit=100 * limit_s / ours, eager_us=eager * 1e6, host_us=host * 1e6,
-                 single_graph_us=single * 1e6, eager_overhead_us=(eager - single) * 1e6,
+                 single_graph_us=single * 1e6, eager_overhead_us=overhead * 1e6,
                  tflops=flops / ours / 1e12, pct_bf16_peak=100 * flops / ours / peak, eager_fused=eager_fused)
         if bf16:
             p["bf16_us"] = graph_time([(lambda i=i: bf16[i](xs[i], rt[i][1], rt[i][2])) for i in range(len(bf16))],
@@ -388,7 +406,10 @@ def write_markdown(res, path):
     lines = [f"# W4A8 MoE benchmark ({res['device']}, torch {res['torch']}, triton {res['triton']})", "",
              f"Measured copy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['bf16_peak'] / 1e12:.0f} "
              f"TFLOP/s. Times are per layer, CUDA-graph replay over {res['geometries'][0]['layers']} layers, in us. "
-             "limit = max(bytes / bandwidth, FLOPs / bf16 peak). Command: `" + res["command"] + "`", ""]
+             "limit = max(bytes / bandwidth, FLOPs / bf16 peak). eager: the wall time a call of a synchronized "
+             "loop of calls on one layer; eager overhead: its median difference to that layer's graph replay, the "
+             "two timed in alternating rounds; host/call: the host's time to issue a call. Command: `"
+             + res["command"] + "`", ""]
     for g in res["geometries"]:
         geo = g["geometry"]
         lines += [f"## {geo['name']} (E={geo['E']}, K={geo['K']}, N={geo['N']}, top-{geo['top_k']}, "
