@@ -330,5 +330,6 @@ def test_16_row_blocks_take_the_wide_tiles():
             assert cfg in cands
             assert {c.tiles2()[:4] for c in cands if c.bm == 16} >= {P.GEMM2_WIDE_16, narrow2}
             assert {c.tiles1()[:4] for c in cands if c.bm == 16} >= {P.GEMM1_WIDE_16, narrow1}
+            assert all(c.tiles1()[:4] != P.GEMM1_WIDE_16 for c in cands if c.bm != 16)  # (16-row blocks only)
     assert P._rows(64, gpt) == P.GEMM1_WIDE_MIN_ROWS and P._rows(32, gpt) < P.GEMM1_WIDE_MIN_ROWS
     assert dsv4.intermediate_size < qwen.intermediate_size < P.GEMM1_WIDE_MIN_N <= gpt.intermediate_size

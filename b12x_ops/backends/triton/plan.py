@@ -572,12 +572,10 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
     cands = _regime(tokens, geometry)
     g1s = [g1 for _, g1, _ in cands]
     g2s = [g2 for _, _, g2 in cands]
-    if any(bm == 16 for bm, _, _ in cands):  # (the wide tiles of 16-row blocks, wherever they may serve)
-        g1s.append(GEMM1_WIDE_16)
-        g2s.append(GEMM2_WIDE_16)
     for bm, _, _ in cands:
-        for g1 in g1s:
-            for g2 in g2s:
+        wide = bm == 16  # (the wide tiles of 16-row blocks with them, at 16-row blocks only)
+        for g1 in g1s + [GEMM1_WIDE_16] * wide:
+            for g2 in g2s + [GEMM2_WIDE_16] * wide:
                 c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
                 if c not in out:
                     out.append(c)
