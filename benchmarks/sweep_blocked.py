@@ -37,8 +37,7 @@ G2 = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 4, 3)]
 
 
 def block_sizes(M, g):
-    slots = M * g.top_k
-    rows = slots / max(1, min(g.num_experts, slots))
+    rows = P._rows(M, g)
     if rows <= 4:
         return [16]
     if rows <= 20:
