@@ -266,7 +266,7 @@ def half_tiles_status() -> str:
 #   where N is long and an expert has a few rows: gpt-oss (N = 2880) 3.4-4.4 % faster at 64 tokens and
 #   2.9 % at 128 with both wide tiles (2 and 4 rows an expert), 0.6-2 % slower at 16-32 tokens (at
 #   most one); DSv4 (N = 576: 5 tiles of 128 columns, the last half empty) 5-10 % slower, Qwen3
-#   (N = 768) even to 2 % slower. So it needs N >= GEMM1_WIDE_MIN_N and GEMM1_WIDE_MIN_ROWS rows an
+#   (N = 768) up to 2.4 % slower. So it needs N >= GEMM1_WIDE_MIN_N and GEMM1_WIDE_MIN_ROWS rows an
 #   expert; the tuner times both tiles of both GEMMs wherever 16-row blocks may serve.
 GEMM2_WIDE_16 = (128, 128, 4, 3)
 GEMM1_WIDE_16 = (128, 128, 4, 3)
