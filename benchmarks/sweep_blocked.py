@@ -57,7 +57,7 @@ def main(argv=None):
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ whose blocked GEMMs replace the package's (bench_moe.py --variant)")
     ap.add_argument("--g1", nargs="*", default=None, help="GEMM1 tiles to try, each BN,BK,WARPS,STAGES")
-    ap.add_argument("--g2", nargs="*", default=None, help="GEMM2 tiles to try, each BN,BK,WARPS,STAGES[,GROUP2]")
+    ap.add_argument("--g2", nargs="*", default=None, help="GEMM2 tiles to try, each BN,BK,WARPS,STAGES")
     ap.add_argument("--ptx-only", action="store_true", help="leave out the decode without inline PTX")
     ap.add_argument("--bm", nargs="*", type=int, default=None, help="block sizes to try (default: by rows an expert)")
     args = ap.parse_args(argv)
@@ -115,8 +115,7 @@ def main(argv=None):
                     t, err, regs = float("inf"), float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}"
                 results[(cfg, tag)] = t
                 tiles = tag + "gemv" if cfg.gemv else tag + (f"bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} "
-                                                 f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}"
-                                                 + (f" group2={cfg.group2}" if cfg.group2 > 1 else ""))
+                                                 f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}")
                 bad = "" if err <= 1e-2 else " WRONG"
                 emit(f"| {M} | {tiles} | {t:.1f} | {err:.1e}{bad} | {regs} |")
                 return t if err <= 1e-2 else float("inf")
@@ -138,8 +137,7 @@ def main(argv=None):
                 if best1 is None:
                     continue
                 for g2 in g2s:
-                    trial(dataclasses.replace(best1, bn2=g2[0], bk2=g2[1], warps2=g2[2], stages2=g2[3],
-                                              group2=g2[4] if len(g2) > 4 else 1))
+                    trial(dataclasses.replace(best1, bn2=g2[0], bk2=g2[1], warps2=g2[2], stages2=g2[3]))
             ok = {c: t for (c, tag), t in results.items() if t < float("inf") and not tag}
             if ok:
                 best = min(ok, key=ok.get)

@@ -526,35 +526,6 @@ def test_interp_half_tiles_write_what_full_tiles_write(bm, monkeypatch):
 
 
 @inner
-@pytest.mark.parametrize("group2, atomic", [(2, False), (4, True), (3, False)])
-def test_interp_gemm2_groups_write_what_single_tiles_write(group2, atomic):
-    """A tl.dot GEMM2 program walking ``group2`` output tiles in one loop (``kernels._gemm2_group``)
-    writes the bits of one program a tile: 6 tiles of 16 outputs, so the last group is part empty
-    (wholly empty tiles in it for 4), 2 reduction steps a tile, every block size the routing gives."""
-    from b12x_ops.backends.triton import _launch_all
-    layer = make_layer(E=4, K=96, N=128, top_k=2, seed=8, limit=7.0)
-    M = 24
-    x, ids, w = make_batch(layer, M, seed=9)
-    h = layer.prepare(backend="triton", max_tokens=64, gemv=False, deterministic=not atomic)
-    st, gp = h._state, h._state.plans
-    base = dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=16, atomic=atomic,
-                               bn2=16, bk2=64, warps2=4, stages2=2)
-    written = {}
-    for g in (1, group2):
-        cfg = dataclasses.replace(base, group2=g)
-        gp.reserve(M, cfg)
-        rn = gp.runner(cfg)
-        assert rn.gemm2.constexprs["GROUP"] == g and rn.n_tiles2 == -(-6 // g)
-        out = torch.empty_like(x)
-        _launch_all(st, cfg, x, ids, w, out)
-        written[g] = (out.clone(), gp.arena.buffers["slots"].clone())
-    for name, got, want in zip(("out", "slots"), written[group2], written[1]):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
-    ref = b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))
-    assert rel_l2(written[group2][0], ref) <= 1e-2
-
-
-@inner
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_interp_gemv_and_blocked_paths_agree(deterministic):
     # the GEMV path (which rounds its own fp32 sums) and the blocked path's fp32 sums agree to a

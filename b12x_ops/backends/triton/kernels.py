@@ -552,21 +552,16 @@ def gemm2_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PTX: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False, HALF: tl.constexpr = False,
-    GROUP: tl.constexpr = 1,
 ):
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
     accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic).
-    ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2. ``GROUP`` > 1: a program
-    walks that many neighbouring tiles in one pipelined loop (``_gemm2_group``)."""
+    ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
     pdl_start(PDL)
-    pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN * GROUP)
+    pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
-    if GROUP > 1:
-        _gemm2_group(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
-                     N, TOPK, HAS_GS, ATOMIC, BM, BN, BK, DOT_DTYPE, PTX, FOLD, GROUP)
-    elif HALF:
+    if HALF:
         if tl.load(blk_rows_ptr + pid_m) <= BM // 2:
             _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
                          N, TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, DOT_DTYPE, PTX, FOLD)
@@ -610,57 +605,6 @@ def _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr,
         acc = _mma_step(load_repacked(w_g, gvalid, n0 // 64, NQ, BN, BKH), s, ae, ao, acc, BN, BKH, DOT_DTYPE, PTX, FOLD)
         s = s_next
     _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, ovalid, dst_ptr, K, TOPK, HAS_GS, ATOMIC)
-
-
-@triton.jit
-def _gemm2_group(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
-                 K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 PTX: tl.constexpr, FOLD: tl.constexpr, GROUP: tl.constexpr):
-    """``gemm2_kernel``'s program over ``GROUP`` neighbouring output tiles of its block: one loop of
-    ``GROUP`` x (N / BK) steps, so the pipeline's copies run on into the next tile instead of being
-    filled again a tile (a short reduction, N of a few hundred, is a few steps a tile); each tile's
-    sums are reduced (``_reduce_rows``) after its last step. Same bits as ``GROUP`` programs."""
-    rows, rvalid, slot = _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM, BM)
-    NH: tl.constexpr = N // 2
-    NS: tl.constexpr = N // 32
-    BKH: tl.constexpr = BK // 2
-    NQ: tl.constexpr = (NH + 31) // 32
-    STEPS: tl.constexpr = (N + BK - 1) // BK
-    o0 = pid_n * (GROUP * BN)  # the group's first output
-    w_g0 = w_ptr + e.to(tl.int64) * (K * NQ * 32) + (o0 // 16) * (NQ * 512)
-    s_e = s_ptr + e.to(tl.int64) * (K * NS)
-    offs_b = tl.arange(0, BN)
-    offs_h = tl.arange(0, BKH)
-    offs_s = tl.arange(0, BK // 32)
-    offs_g = 16 * tl.arange(0, BN // 16)
-    aT = a_ptr + rows[None, :] * N + (32 * (offs_h // 16) + offs_h % 16)[:, None]
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    s = tl.load(s_e + (o0 + offs_b)[:, None] * NS + offs_s[None, :],
-                mask=((o0 + offs_b) < K)[:, None] & (offs_s < NS)[None, :], other=0)
-    for it in range(0, GROUP * STEPS):
-        j = it // STEPS
-        n0 = (it - j * STEPS) * BK
-        hmask = (n0 // 2 + offs_h) < NH
-        am = hmask[:, None] & rvalid[None, :]
-        ae = tl.load(aT + n0, mask=am, other=0.0).to(DOT_DTYPE)
-        ao = tl.load(aT + n0 + 16, mask=am, other=0.0).to(DOT_DTYPE)
-        jn = (it + 1) // STEPS  # the next step's tile and scale column (one step ahead, as in gemm1)
-        cn = ((it + 1) - jn * STEPS) * (BK // 32)
-        on = o0 + jn * BN + offs_b
-        sm = ((on < K) & (on < o0 + GROUP * BN))[:, None] & ((cn + offs_s) < NS)[None, :]  # (past the group: none)
-        s_next = tl.load(s_e + on[:, None] * NS + cn + offs_s[None, :], mask=sm, other=0)
-        gvalid = (o0 + j * BN + offs_g) < K
-        t = load_repacked(w_g0 + j * ((BN // 16) * (NQ * 512)), gvalid, n0 // 64, NQ, BN, BKH)
-        # (a tile's first step starts from zero: a select the compiler turns into the MMA's
-        # use-accumulator flag, so no instruction writes the accumulators between the MMAs)
-        acc = tl.where(n0 == 0, tl.zeros((BN, BM), dtype=tl.float32), acc)
-        acc = _mma_step(t, s, ae, ao, acc, BN, BKH, DOT_DTYPE, PTX, FOLD)
-        s = s_next
-        if it - j * STEPS == STEPS - 1:
-            offs_o = o0 + j * BN + offs_b
-            _reduce_rows(acc, e, gs_ptr, wts_ptr, slot, rvalid, offs_o, offs_o < K, dst_ptr, K, TOPK, HAS_GS,
-                         ATOMIC)
 
 
 # ---------------------------------------------------------------------------------- small-M GEMV

@@ -103,9 +103,6 @@ class Config:
     # cdiv(cdiv(K, 64), bk1 / 64)) and of bk2 / 64 a slot's run (split2 = top_k * cdiv(cdiv(N, 64), bk2 / 64));
     # untuned plans set it by ``gemv_mma_form`` (``mma_config``)
     mma: bool = False
-    # the blocked path's tl.dot GEMM2 only: neighbouring output tiles a program walks in one
-    # pipelined loop (``kernels._gemm2_group``), for reductions of few K steps a tile
-    group2: int = 1
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -779,7 +776,7 @@ class GeometryPlans:
         kt = -(-g.hidden_size // PROLOGUE["QK"])
         qs = stages[0].constexprs["QS"] if blocked else kt
         return Runner(cfg, *stages, -(-g.intermediate_size // cfg.bn1) * cfg.split1,
-                      triton.cdiv(triton.cdiv(g.hidden_size, cfg.bn2), cfg.group2) * cfg.split2,
+                      -(-g.hidden_size // cfg.bn2) * cfg.split2,
                       -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], rt, FINALIZE["BR"], g.num_experts,
                       kt, -(-kt // qs))
 
@@ -818,7 +815,7 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gluon2:
             key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic, cfg.group2)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
         else:
             key = (kind, cfg.atomic)
         blocked_gemm = kind in ("gemm1", "gemm2") and not cfg.gemv
@@ -888,7 +885,7 @@ class GeometryPlans:
                 ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
                         cfg.bn2 // 16, 1)
             else:
-                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, GROUP=cfg.group2),
+                ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         else:
             f = FINALIZE
