@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import re
 import subprocess
@@ -186,8 +185,6 @@ def main(argv=None):
     ap.add_argument("--stages", nargs="*", default=["prologue", "gemm1", "gemm2", "finalize"])
     ap.add_argument("--loops", action="store_true", help="count each loop body's SASS instructions by kind")
     ap.add_argument("--pdl", action="store_true", help="as programmatic dependent launches (plan.pdl_status)")
-    ap.add_argument("--split1", type=int, default=None,
-                    help="the blocked plans' tl.dot GEMM1 with its K steps split between this many programs (Config.split1)")
     args = ap.parse_args(argv)
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]
@@ -203,8 +200,6 @@ def main(argv=None):
         done = set()
         for M in args.sizes:
             cfg = P.default_config(M, g, gemv)
-            if args.split1 and not cfg.gemv:
-                cfg = dataclasses.replace(cfg, split1=args.split1)
             for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)):
                 if ln is None or stage not in args.stages or id(ln) in done:
                     continue
@@ -216,8 +211,7 @@ def main(argv=None):
                     res = res.split(" CONSTANT")[0] + f" dyn-smem:{ck.metadata.shared}"
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     res, asyncs = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", ""
-                tiles = {k: v for k, v in ln.constexprs.items() if k.startswith("B") or k in ("RT", "NBT")
-                         or (k == "SPLIT" and v > 1)}
+                tiles = {k: v for k, v in ln.constexprs.items() if k.startswith("B") or k in ("RT", "NBT")}
                 print(f"| {name} | {M} | {stage} | {ln.fn.__name__} | {tiles} | {ln.num_warps}/{ln.num_stages} "
                       f"| {res} | {asyncs} |", flush=True)
                 if args.loops and asyncs != "":

@@ -56,7 +56,7 @@ def main(argv=None):
     ap.add_argument("--out", default="sweep_blocked.md")
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ whose blocked GEMMs replace the package's (bench_moe.py --variant)")
-    ap.add_argument("--g1", nargs="*", default=None, help="GEMM1 tiles to try, each BN,BK,WARPS,STAGES[,SPLIT1]")
+    ap.add_argument("--g1", nargs="*", default=None, help="GEMM1 tiles to try, each BN,BK,WARPS,STAGES")
     ap.add_argument("--g2", nargs="*", default=None, help="GEMM2 tiles to try, each BN,BK,WARPS,STAGES")
     ap.add_argument("--ptx-only", action="store_true", help="leave out the decode without inline PTX")
     ap.add_argument("--bm", nargs="*", type=int, default=None, help="block sizes to try (default: by rows an expert)")
@@ -115,8 +115,7 @@ def main(argv=None):
                     t, err, regs = float("inf"), float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}"
                 results[(cfg, tag)] = t
                 tiles = tag + "gemv" if cfg.gemv else tag + (f"bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} "
-                                                 + (f"split1={cfg.split1} " if cfg.split1 > 1 else "")
-                                                 + f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}")
+                                                 f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}")
                 bad = "" if err <= 1e-2 else " WRONG"
                 emit(f"| {M} | {tiles} | {t:.1f} | {err:.1e}{bad} | {regs} |")
                 return t if err <= 1e-2 else float("inf")
@@ -131,8 +130,7 @@ def main(argv=None):
                 c0 = dataclasses.replace(base_t, bm=bm)
                 best1, bt = None, float("inf")
                 for g1 in g1s:
-                    c = dataclasses.replace(c0, bn1=g1[0], bk1=g1[1], warps1=g1[2], stages1=g1[3],
-                                            split1=g1[4] if len(g1) > 4 else 1)
+                    c = dataclasses.replace(c0, bn1=g1[0], bk1=g1[1], warps1=g1[2], stages1=g1[3])
                     t = trial(c)
                     if t < bt:
                         best1, bt = c, t

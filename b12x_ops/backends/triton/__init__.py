@@ -403,8 +403,8 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     if "gemm1" in stages:
         rn.gemm1(
             (nb * rn.n_tiles1, 1, 1),
-            xq, a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act, a["part1"],
-            a["cnt1"], nb, state.limit)
+            xq, a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act, nb,
+            state.limit)
     if "gemm2" in stages:
         rn.gemm2(
             (nb * rn.n_tiles2, 1, 1),

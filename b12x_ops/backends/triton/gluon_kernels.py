@@ -268,7 +268,7 @@ if HAS_GLUON:
 
     @gluon.jit(do_not_specialize=("nblocks",))
     def gemm1_gluon_kernel(
-        xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr,
+        xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
         nblocks, limit,
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -279,8 +279,7 @@ if HAS_GLUON:
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
         an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``.
-        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s).
-        ``part_ptr``/``cnt_ptr`` are unused (the tl.dot kernel's split K; its argument list)."""
+        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s)."""
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
         if e < 0:
             return

@@ -85,17 +85,6 @@ def _block_tile(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _block_tile_split(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
-    """``_block_tile`` for tiles whose K steps ``SPLIT`` programs share: ``(expert block, tile, part,
-    the block's expert)``, a tile's parts side by side (they run together; their sums meet in L2)."""
-    pid = tl.program_id(0)
-    PER: tl.constexpr = (OUT + BN - 1) // BN * SPLIT
-    pid_m = pid // PER
-    r = pid % PER
-    return pid_m, r // SPLIT, r % SPLIT, tl.load(blk_expert_ptr + pid_m)
-
-
-@triton.jit
 def _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM: tl.constexpr, BMX: tl.constexpr):
     """``(rows, valid, slot)`` of the first ``BMX`` rows of expert block ``pid_m`` (of ``BM``): their
     int64 row index in the block-ordered buffers, whether each holds a slot, and that slot."""
@@ -484,46 +473,32 @@ def _mma_step(t, scale_bytes, ve, vo, acc, BN: tl.constexpr, BKH: tl.constexpr, 
 
 @_jit(dns=("nblocks",))
 def gemm1_kernel(
-    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, part_ptr, cnt_ptr,
+    xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
     nblocks, limit,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr = False, FOLD: tl.constexpr = False,
-    PDL: tl.constexpr = False, HALF: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    PDL: tl.constexpr = False, HALF: tl.constexpr = False,
 ):
     """Program (expert block, tile of BN columns of up and of gate): ``dq8(silu(gate) * up)`` of the
     block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX (``FOLD``:
     in its one-fma form, for scale bytes up to 128). ``HALF``: a block of at most BM / 2 rows runs
     the tile of BM / 2: half the MMA work and activation loads for an expert's part-empty last block
-    (the decode of the weights is the same either way). ``SPLIT`` > 1 (not with ``HALF``): that many
-    programs share a tile's K steps, for grids too short to fill the GPU; the last of them to finish
-    adds their sums in part order (``part_ptr``: ``SPLIT x 2 x [BN, BM]`` fp32 a tile, ``cnt_ptr``:
-    a count a tile, back at zero after each call) and writes the tile."""
+    (the decode of the weights is the same either way)."""
     pdl_start(PDL)
-    if SPLIT > 1:
-        pid_m, pid_n, part, e = _block_tile_split(blk_expert_ptr, N, BN, SPLIT)
-        if e < 0:
-            return
-        tile = pid_m * ((N + BN - 1) // BN) + pid_n
-        _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N,
-                     TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD,
-                     part, part_ptr + tile.to(tl.int64) * (SPLIT * 2 * BN * BM), cnt_ptr + tile, SPLIT)
-        return
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
     if e < 0:
         return
     if HALF:
         if tl.load(blk_rows_ptr + pid_m) <= BM // 2:
             _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K,
-                         N, TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 2, BN, BK, DOT_DTYPE, PTX, FOLD, 0,
-                         part_ptr, cnt_ptr, 1)
+                         N, TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 2, BN, BK, DOT_DTYPE, PTX, FOLD)
         else:
             _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K,
-                         N, TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD, 0,
-                         part_ptr, cnt_ptr, 1)
+                         N, TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD)
     else:
         _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N,
-                     TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD, 0, part_ptr, cnt_ptr, 1)
+                     TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, DOT_DTYPE, PTX, FOLD)
 
 
 @triton.jit
@@ -531,9 +506,8 @@ def _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr
                  K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, UP_FIRST: tl.constexpr,
                  HAS_LIMIT: tl.constexpr, HAS_GS: tl.constexpr, BM: tl.constexpr, BMX: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr,
-                 FOLD: tl.constexpr, part, part_ptr, cnt_ptr, SPLIT: tl.constexpr):
-    """``gemm1_kernel``'s program on the first ``BMX`` rows of its ``BM``-row block (its K steps of
-    part ``part`` of ``SPLIT``, the tile's sums and count at ``part_ptr``/``cnt_ptr``)."""
+                 FOLD: tl.constexpr):
+    """``gemm1_kernel``'s program on the first ``BMX`` rows of its ``BM``-row block."""
     rows, rvalid, tok, offs_n, nvalid, up_rows, gate_rows = _gemm1_tile(pid_m, pid_n, blk_rows_ptr, sorted_ptr, N,
                                                                         TOPK, UP_FIRST, BM, BN, BMX)
     KH: tl.constexpr = K // 2
@@ -552,19 +526,10 @@ def _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr
     # them out) are loaded one step ahead into registers, or each step would wait on HBM for them.
     up_s = s_e + up_rows[:, None] * KS + offs_s[None, :]
     gate_s = s_e + gate_rows[:, None] * KS + offs_s[None, :]
-    # a part's K steps (whole steps; the last part's past K masked to zero codes and scales, so
-    # every part's loop has the same constant trip count: a dynamic one makes ptxas serialize the MMAs)
-    PER: tl.constexpr = ((K + BK - 1) // BK + SPLIT - 1) // SPLIT * BK
-    if SPLIT > 1:
-        k_lo = part * PER
-    else:
-        k_lo: tl.constexpr = 0
-    sm = nvalid[:, None] & ((k_lo // 32 + offs_s) < KS)[None, :]
-    su = tl.load(up_s + k_lo // 32, mask=sm, other=0)
-    sg = tl.load(gate_s + k_lo // 32, mask=sm, other=0)
-    KEND: tl.constexpr = PER if SPLIT > 1 else K
-    for kk in range(0, KEND, BK):
-        k0 = k_lo + kk
+    sm = nvalid[:, None] & (offs_s < KS)[None, :]
+    su = tl.load(up_s, mask=sm, other=0)
+    sg = tl.load(gate_s, mask=sm, other=0)
+    for k0 in range(0, K, BK):
         hmask = (k0 // 2 + offs_h) < KH
         xm = hmask[:, None] & rvalid[None, :]
         xe = tl.load(xT + k0, mask=xm, other=0.0).to(DOT_DTYPE)
@@ -577,35 +542,7 @@ def _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr
         acc_g = _mma_step(load_repacked(gate_g, gvalid, q0, NQ, BN, BKH), sg, xe, xo, acc_g, BN, BKH, DOT_DTYPE, PTX,
                           FOLD)
         su, sg = su_next, sg_next
-    if SPLIT > 1:
-        last, acc_u, acc_g = _last_of_split_tile(part_ptr, cnt_ptr, part, acc_u, acc_g, SPLIT)
-        if last:
-            _store_act(acc_u, acc_g, gs_ptr, e, limit, a_ptr, rows, rvalid, offs_n, nvalid, N, HAS_GS, HAS_LIMIT)
-    else:
-        _store_act(acc_u, acc_g, gs_ptr, e, limit, a_ptr, rows, rvalid, offs_n, nvalid, N, HAS_GS, HAS_LIMIT)
-
-
-@triton.jit
-def _last_of_split_tile(part_ptr, cnt_ptr, part, u, v, SPLIT: tl.constexpr):
-    """``_last_of_split`` for ``[BN, BM]`` tiles (the blocked GEMM1's split K): each part stores its
-    ``u``, ``v`` sums at its place, counts itself in; the last returns ``(1, sum u, sum v)`` over the
-    parts in part order (the same bits whichever is last) and resets the count."""
-    BN: tl.constexpr = u.shape[0]
-    BM: tl.constexpr = u.shape[1]
-    r = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
-    tl.store(part_ptr + part * (2 * BN * BM) + r, u)
-    tl.store(part_ptr + part * (2 * BN * BM) + BN * BM + r, v)
-    tl.debug_barrier()  # every thread's stores before the count (the release covers them)
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    su = tl.zeros((BN, BM), dtype=tl.float32)
-    sv = tl.zeros((BN, BM), dtype=tl.float32)
-    last = done == SPLIT - 1
-    if last:
-        for p in tl.static_range(SPLIT):  # (L2 reads: other SMs wrote these)
-            su += tl.load(part_ptr + p * (2 * BN * BM) + r, cache_modifier=".cg")
-            sv += tl.load(part_ptr + p * (2 * BN * BM) + BN * BM + r, cache_modifier=".cg")
-        tl.store(cnt_ptr, 0)
-    return last.to(tl.int32), su, sv
+    _store_act(acc_u, acc_g, gs_ptr, e, limit, a_ptr, rows, rvalid, offs_n, nvalid, N, HAS_GS, HAS_LIMIT)
 
 
 @_jit(dns=("nblocks",))
@@ -783,10 +720,7 @@ def _gemv1_program(
     xq_h = xq_ptr + m.to(tl.int64) * K + (32 * (offs_h // 16) + offs_h % 16)[:, None] + 0 * col[None, :]
     # this part's K range: whole steps
     PER: tl.constexpr = ((K + BK - 1) // BK + SPLIT - 1) // SPLIT * BK
-    if SPLIT > 1:
-        k_lo = part * PER
-    else:
-        k_lo: tl.constexpr = 0
+    k_lo = part * PER
     k_hi = tl.minimum(k_lo + PER, K)
     up_s = s_e + up_rows[:, None] * KS + j[None, :]
     gate_s = s_e + gate_rows[:, None] * KS + j[None, :]

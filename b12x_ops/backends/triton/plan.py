@@ -82,10 +82,9 @@ class Config:
     # the small-M path, gemv1/gemv2 (bm is then 1, and bn1/bk1/warps1/stages1, bn2/bk2/warps2/stages2
     # are the two GEMV kernels' tiles)
     gemv: bool = False
-    # the GEMV path: programs that share one slot's K steps (gemv1) and one token's slots, or
+    # the GEMV path only: programs that share one slot's K steps (gemv1) and one token's slots, or
     # above top_k its slots' N steps (gemv2), their sums added by the last to finish
-    # (``kernels._last_of_split``); the blocked path's tl.dot GEMM1 (not Gluon): programs that share
-    # a tile's K steps (``kernels._last_of_split_tile``), split2 there 1
+    # (``kernels._last_of_split``)
     split1: int = 1
     split2: int = 1
     # the GEMV path only: x quantized once by a launch before gemv1 (``kernels.xquant_kernel``)
@@ -812,7 +811,7 @@ class GeometryPlans:
         elif kind == "gemm1" and cfg.gluon:
             key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
         elif kind == "gemm1":
-            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1), cfg.split1)
+            key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
             key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
         elif kind == "gemm2":
@@ -873,13 +872,10 @@ class GeometryPlans:
                       BK=cfg.bk1, FOLD=self.fold, HALF=half)
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
-                if cfg.split1 != 1:
-                    raise ValueError(f"b12x_ops triton backend: no Gluon GEMM1 for {cfg} (split1 > 1 is the tl.dot "
-                                     "GEMM1's)")
                 ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1)
             else:
-                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx, SPLIT=cfg.split1),
+                ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
@@ -945,11 +941,6 @@ class GeometryPlans:
         tokens = min(cap, self.slot_chunk) if not cfg.atomic else cap
         S = tokens * g.top_k
         nb = K_.num_blocks(S, g.num_experts, cfg.bm)
-        a.need("cnt1", 1, torch.int32, zeroed=True)
-        if cfg.split1 > 1:  # GEMM1's split K: each tile's parts' sums, and a count a tile
-            t1 = nb * -(-g.intermediate_size // cfg.bn1)
-            a.need("part1", t1 * cfg.split1 * 2 * cfg.bn1 * cfg.bm, torch.float32)
-            a.need("cnt1", t1, torch.int32, zeroed=True)
         a.need("xq", tokens * g.hidden_size, self.act_dtype)
         a.need("lid", S, torch.int32)
         a.need("wts", S, torch.float32)
@@ -977,7 +968,7 @@ class GeometryPlans:
         if not self.gluon or cfg.gluon or cfg.gluon2:
             return cfg
         f1, f2 = gluon_forms(cfg.bm, self.geometry.intermediate_size)
-        if f1 is not None and cfg.split1 == 1:  # (a split GEMM1 stays tl.dot)
+        if f1 is not None:
             cfg = dataclasses.replace(cfg, gluon=True, **f1)
         if f2 is not None:
             cfg = dataclasses.replace(cfg, gluon2=True, **f2)
