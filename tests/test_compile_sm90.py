@@ -62,7 +62,7 @@ def test_default_launches_compile_for_sm90(offline, name, fold):
             # the inline one-word decode, in the form the scales allow, the load pipeline (for
             # launches of more than one stage: one-step GEMV programs load straight to registers)
             # and the tensor cores (the GEMV kernels' too)
-            assert "0x01000100" in ptx and "fma.rn.bf16x2" in ptx, stage
+            assert "0x81808180" in ptx and "fma.rn.bf16x2" in ptx, stage
             assert (ptx.count("fma.rn.bf16x2") % 4 == 0) and ("0x7E807E80" in ptx) != fold, stage
             assert ("cp.async" in ptx) == (ln.num_stages > 1), stage
             assert "wgmma" in ptx, stage
@@ -221,7 +221,7 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
         ln = gp.stages(cfg, 8192)[which]
         ck = offline.compile_launch(ln, 90)
         ptx, what = ck.asm["ptx"], (which, cfg.tiles1(), cfg.tiles2())
-        assert "0x01000100" in ptx and ("0x7E807E80" in ptx) != fold, what
+        assert "0x81808180" in ptx and ("0x7E807E80" in ptx) != fold, what
         assert "wgmma.mma_async" in ptx and "cp.async" in ptx, what
         assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+2;", ptx), what
         sass = offline._cuobjdump(ck.asm["cubin"], "-sass")

@@ -13,13 +13,17 @@ replaces the checkpoint's; it is no larger, but for K padded to a multiple of 64
   and ``r0 + 8`` of its group; its byte ``b = 8 s + 4 kh + 2 rh + kk`` of a chunk is the code byte
   of row ``r0 + 8 rh`` at row byte ``16 s + 8 kh + 2 (l % 4) + kk`` of the chunk: the element
   order of the MMA operand's registers.
-* **a 32-bit word decodes in 15 instructions for 8 weights.** A word's 4 bytes (``rh``, ``kk``)
-  hold 8 nibbles, whose bits are re-laid so that three of its four bf16 pairs come out of one shift
-  and one mask, ``(w << s) & 0x81C081C0`` for ``s`` = 0, 3, 6 (the sign at bit 15 of each half and
-  ``e1 e0 m`` at bits 8..6: the E2M1 value times 2^-126 as a bf16), and the fourth out of three
-  shifts and three logic ops (``mxtl._decode_repacked_ptx_source``). Pair ``p = 2 odd + rh`` holds the
-  even (low) or odd (high) nibbles of rows ``r0 + 8 rh``, its low half from byte ``kk = 0``, its
-  high half from ``kk = 1``.
+* **a 32-bit word decodes in 13 instructions for 8 weights.** A word's 4 bytes (``rh``, ``kk``)
+  hold 8 nibbles, whose bits are re-laid so that each bf16 pair comes out with the sign at bit 15
+  of each half and ``e1 e0 m`` at bits 8..6 (the E2M1 value times 2^-126 as a bf16) in few
+  integer instructions: pair 0 is ``w & 0x81C081C0``, pair 1 ``(w << 6) & 0x81C081C0``, pair 2
+  the word rotated right by 4 and masked, pair 3 two pieces (its ``m`` bits shifted left by 2, the
+  rest rotated right by 6): 9 integer instructions and 4 multiplies by the scales
+  (``mxtl._decode_repacked_ptx_source``). A rotation moves some of a low half's fields to the high
+  half's bits and back, so a pair's fields are given as bit positions in the word for its low
+  half's weight; its high half's are 16 further, modulo 32. Pair ``p = 2 odd + rh`` holds the even
+  (low) or odd (high) nibbles of rows ``r0 + 8 rh``, its low half from byte ``kk = 0``, its high
+  half from ``kk = 1``.
 
 ``repack_codes`` makes the layout (in chunks of experts, so a large layer's temporaries stay
 small); ``unpack_codes`` is its inverse (tests). OpenAI's triton_kernels uses the same two ideas
@@ -30,18 +34,24 @@ from __future__ import annotations
 
 import torch
 
-# Where each nibble bit lands: per pair p (0..3), the bit of its low half that receives the
-# nibble's (sign, e1, e0, m); its high half's are 16 higher.
+# Where each nibble bit lands: per pair p (0..3), the word bit that receives the (sign, e1, e0, m)
+# of its low half's weight; its high half's weight's are 16 further, modulo 32 (``_bit``). Every
+# bit of the word is used once.
 PAIR_BITS = (
     (15, 8, 7, 6),  # pair 0: w & mask
-    (12, 5, 4, 3),  # pair 1: (w << 3) & mask
-    (9, 2, 1, 0),  # pair 2: (w << 6) & mask
-    (14, 13, 11, 10),  # pair 3: sign << 1, e1 >> 5, e0 and m >> 4
+    (9, 2, 1, 0),  # pair 1: (w << 6) & mask
+    (19, 12, 11, 10),  # pair 2: rotr(w, 4) & mask (the low weight's sign in the high half, and back)
+    (21, 14, 13, 4),  # pair 3: (w << 2) & m bits | rotr(w, 6) & sign, e1, e0 bits
 )
 GROUP_ROWS = 16
 CHUNK_BYTES = 32
 # temporaries of the repack: about this many code bytes at a time
 _CHUNK = 1 << 24
+
+
+def _bit(low: int, kk: int) -> int:
+    """The word bit of a field at ``low`` for the low half's weight (``kk`` 0) or the high half's (1)."""
+    return (low + 16 * kk) % 32
 
 
 def chunks(kh: int) -> int:
@@ -64,7 +74,7 @@ def _byte_tables(device) -> torch.Tensor:
             for odd in range(2):
                 nib = (byte >> (4 * odd)) & 15
                 for bit, dst in zip((3, 2, 1, 0), PAIR_BITS[2 * odd + rh]):
-                    t[rh, kk] |= ((nib >> bit) & 1) << (dst + 16 * kk)
+                    t[rh, kk] |= ((nib >> bit) & 1) << _bit(dst, kk)
     t = torch.where(t >= 1 << 31, t - (1 << 32), t)  # as int32 bit patterns
     return t.to(torch.int32).to(device)
 
@@ -104,5 +114,5 @@ def unpack_codes(packed: torch.Tensor, kh: int) -> torch.Tensor:
         for kk in range(2):
             for odd in range(2):
                 for bit, src in zip((3, 2, 1, 0), PAIR_BITS[2 * odd + rh]):
-                    out[:, :, rh, :, :, :, :, :, kk] |= ((word >> (src + 16 * kk)) & 1) << (bit + 4 * odd)
+                    out[:, :, rh, :, :, :, :, :, kk] |= ((word >> _bit(src, kk)) & 1) << (bit + 4 * odd)
     return out.view(E, G * 16, Q * CHUNK_BYTES)[:, :, :kh].to(torch.uint8)

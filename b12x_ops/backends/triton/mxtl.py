@@ -20,15 +20,17 @@ import triton.language as tl
 # (``repacked_to_operand``), and each 32-bit word holds 8 nibbles placed for a cheap decode.
 # The asm of ``_decode_repacked_ptx_source`` (used by ``decode_repacked``) decodes a word in
 # inline PTX (GPU, scale bytes in [2, 252]) into its four bf16 pairs times their rows' scales:
-#  * pairs 0..2 are ``(w << s) & 0x81C081C0`` for s = 0, 3, 6 (the sign at bit 15 of each half,
-#    ``e1 e0 m`` at bits 8..6), pair 3 takes three shifts and three logic ops;
+#  * each pair is the word's bits moved into place and masked: pair 0 ``w & 0x81C081C0`` (the sign
+#    at bit 15 of each half, ``e1 e0 m`` at bits 8..6), pair 1 ``(w << 6) & 0x81C081C0``, pair 2
+#    the word rotated right by 4 (``shf.r.wrap``) and masked, pair 3 its ``m`` bits shifted left by
+#    2 and its other fields rotated right by 6 (``layout.PAIR_BITS``): 9 integer instructions;
 #  * the bf16 read that way is the E2M1 value times 2^-126 (exponent field e1 e0; e1 e0 = 0 is a
 #    subnormal, which bf16 arithmetic keeps); ``fma.rn.bf16x2`` by 2^126 gives the E2M1 value
 #    exactly, a second one by the scale ``2^(byte - 127)`` the weight, exactly for bytes in
 #    [2, 252] (every product stays a normal bf16);
 #  * with ``fold`` (scale bytes in [2, 128], the usual checkpoint) the 2^126 is folded into the
 #    scale, ``2^(byte - 1)`` (exponent field byte + 126, still a normal bf16), so each pair takes
-#    one fma: 15 instructions for 8 weights.
+#    one fma: 13 instructions for 8 weights (15 in the placement before, 11 of them integer).
 # The scales are made from their bytes once per 32-element block outside the asm
 # (``_ptx_scales``). ``decode_repacked_ops`` is the same arithmetic in Triton operations (the
 # interpreter, and checkpoints with other scale bytes). ``tests/test_ptx_decode.py`` runs the asm
@@ -37,18 +39,16 @@ def _decode_repacked_ptx_source(fold: bool = False) -> str:
     """The asm: a word (``$4``) to its four bf16 pairs times their rows' scales (``$5``: row r0,
     ``$6``: r0 + 8): ``$0``/``$1`` the even weights of rows r0/r0 + 8, ``$2``/``$3`` the odd ones."""
     bias = [] if fold else ["fma.rn.bf16x2 t, t, bias, nz;"]
-    lines = ["", "{", ".reg .b32 t, u, v, msk, nz;" if fold else ".reg .b32 t, u, v, msk, bias, nz;",
+    lines = ["", "{", ".reg .b32 t, u, msk, nz;" if fold else ".reg .b32 t, u, msk, bias, nz;",
              "mov.b32 msk, 0x81C081C0;", *([] if fold else ["mov.b32 bias, 0x7E807E80;"]), "mov.b32 nz, 0x80008000;"]
-    for out, shift, scale in (("$0", 0, "$5"), ("$1", 3, "$6"), ("$2", 6, "$5")):
-        lines += ["and.b32 t, $4, msk;" if shift == 0 else f"shl.b32 t, $4, {shift};",
-                  *([] if shift == 0 else ["and.b32 t, t, msk;"]), *bias, f"fma.rn.bf16x2 {out}, t, {scale}, nz;"]
+    lines += ["and.b32 t, $4, msk;", *bias, "fma.rn.bf16x2 $0, t, $5, nz;",
+              "shl.b32 t, $4, 6;", "and.b32 t, t, msk;", *bias, "fma.rn.bf16x2 $1, t, $6, nz;",
+              "shf.r.wrap.b32 t, $4, $4, 4;", "and.b32 t, t, msk;", *bias, "fma.rn.bf16x2 $2, t, $5, nz;"]
     lines += [
-        "shl.b32 t, $4, 1;",
-        "and.b32 t, t, 0x80008000;",  # signs
-        "shr.b32 u, $4, 5;",
-        "lop3.b32 t, t, u, 0x01000100, 0xF8;",  # t | (u & e1 bits)
-        "shr.b32 v, $4, 4;",
-        "lop3.b32 t, t, v, 0x00C000C0, 0xF8;",  # t | (v & e0, m bits)
+        "shl.b32 t, $4, 2;",
+        "and.b32 t, t, 0x00400040;",  # m
+        "shf.r.wrap.b32 u, $4, $4, 6;",
+        "lop3.b32 t, t, u, 0x81808180, 0xF8;",  # t | (u & sign, e1, e0 bits)
         *bias,
         "fma.rn.bf16x2 $3, t, $6, nz;",
         "}",
@@ -91,13 +91,19 @@ def _f16_halves(bits):
 
 
 @triton.jit
-def _pair_f16(w, S: tl.constexpr):
-    """Pair ``S // 3`` (S = 0, 3, 6) of words ``w`` as two fp16 halves: the sign at bit 15 and
-    ``e1 e0 m`` at bits 11..9 of each. That is the fp16 of exponent field ``E = e1 e0`` and top
-    mantissa bit ``m``: ``2^(E - 15) (1 + m / 2)`` for ``E >= 1`` and the subnormal ``m 2^-15`` for
-    ``E = 0``, i.e. the E2M1 value times 2^-14, which ``_f16_halves`` makes an exact, normal fp32."""
-    x = w << S
-    return ((x << 3) & 0x0E000E00) | (x & -2147450880)  # (0x80008000)
+def _rotr(w, N: tl.constexpr):
+    """int32 ``w`` rotated right by ``N`` bits."""
+    return ((w >> N) & ((1 << (32 - N)) - 1)) | (w << (32 - N))
+
+
+@triton.jit
+def _bf16_to_f16_fields(t):
+    """A pair with the sign at bit 15 of each half and ``e1 e0 m`` at bits 8..6 (as the asm makes
+    it) as two fp16 halves with ``e1 e0 m`` at bits 11..9: the fp16 of exponent field ``E = e1 e0``
+    and top mantissa bit ``m``, ``2^(E - 15) (1 + m / 2)`` for ``E >= 1`` and the subnormal
+    ``m 2^-15`` for ``E = 0``, i.e. the E2M1 value times 2^-14, which ``_f16_halves`` makes an
+    exact, normal fp32."""
+    return ((t << 3) & 0x0E000E00) | (t & -2147450880)  # (0x80008000)
 
 
 @triton.jit
@@ -113,11 +119,12 @@ def decode_repacked_ops(t, BN: tl.constexpr, BKH: tl.constexpr):
     b10, b11 = tl.split(b1)
     # (the first split takes bit 0 of the byte index, the second bit 1: b01 is byte 2, b10 byte 1)
     w = b00 | (b10 << 8) | (b01 << 16) | (b11 << 24)  # [G, Q, 32, 4] words
-    p3 = ((w << 1) & -2147450880) | ((w >> 2) & 0x08000800) | ((w >> 1) & 0x06000600)
-    e00, e01 = _f16_halves(_pair_f16(w, 0))  # even, row r0, byte kk 0 / 1
-    e10, e11 = _f16_halves(_pair_f16(w, 3))  # even, row r0 + 8
-    o00, o01 = _f16_halves(_pair_f16(w, 6))
-    o10, o11 = _f16_halves(p3)
+    msk = -2118090304  # (0x81C081C0: the asm's pairs, ``layout.PAIR_BITS``)
+    p3 = ((w << 2) & 0x00400040) | (_rotr(w, 6) & -2122284672)  # (0x81808180)
+    e00, e01 = _f16_halves(_bf16_to_f16_fields(w & msk))  # even, row r0, byte kk 0 / 1
+    e10, e11 = _f16_halves(_bf16_to_f16_fields((w << 6) & msk))  # even, row r0 + 8
+    o00, o01 = _f16_halves(_bf16_to_f16_fields(_rotr(w, 4) & msk))
+    o10, o11 = _f16_halves(_bf16_to_f16_fields(p3))
     # (tl.join adds its dim last: the inner joins make rh, the outer kk) -> [G, Q, 32, 4, rh, kk]
     even = tl.join(tl.join(e00, e10), tl.join(e01, e11))
     odd = tl.join(tl.join(o00, o10), tl.join(o01, o11))
