@@ -30,7 +30,7 @@ import triton.language as tl
 #    [2, 252] (every product stays a normal bf16);
 #  * with ``fold`` (scale bytes in [2, 128], the usual checkpoint) the 2^126 is folded into the
 #    scale, ``2^(byte - 1)`` (exponent field byte + 126, still a normal bf16), so each pair takes
-#    one fma: 13 instructions for 8 weights (15 in the placement before, 11 of them integer).
+#    one fma: 13 instructions for 8 weights, 9 of them integer (the placement before took 15, 11).
 # The scales are made from their bytes once per 32-element block outside the asm
 # (``_ptx_scales``). ``decode_repacked_ops`` is the same arithmetic in Triton operations (the
 # interpreter, and checkpoints with other scale bytes). ``tests/test_ptx_decode.py`` runs the asm
