@@ -201,7 +201,8 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     the wait that covers it, one barrier a K step in the main loop (the compiler's barrier analysis
     adding none between a step's copies and its reads; triton 3.9's adds one a loop trip, at the
     back edge), shared memory within an SM's, and no local
-    memory (16-warp tiles keep a few bytes of stack at their 128-register cap)."""
+    memory (16-warp tiles keep a few bytes of stack at their 128-register cap, the 64-row ones at
+    theirs, ``plan.GLUON_BM64_MAXNREG``)."""
     import dataclasses
     import re
 
@@ -216,9 +217,11 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     forms = [(1, big), (2, dataclasses.replace(big, gluon2=True, bn2=128, bk2=64, stages2=4)),
              (2, dataclasses.replace(big, gluon2=True, bn2=256, bk2=64, stages2=4)),
              (1, dataclasses.replace(big, bm=64, bn1=64)), (1, dataclasses.replace(big, bm=32, bn1=64)),
-             (2, dataclasses.replace(big, bm=32, gluon2=True, **P.GLUON_GEMM2_SMALL))]
+             (2, dataclasses.replace(big, bm=32, gluon2=True, **P.GLUON_GEMM2_SMALL)),
+             (2, dataclasses.replace(big, bm=64, gluon2=True, **P.GLUON_GEMM2_SMALL))]
     for which, cfg in forms:
         ln = gp.stages(cfg, 8192)[which]
+        assert ln.options.get("maxnreg") == (P.GLUON_BM64_MAXNREG if cfg.bm == 64 else None)
         ck = offline.compile_launch(ln, 90)
         ptx, what = ck.asm["ptx"], (which, cfg.tiles1(), cfg.tiles2())
         assert "0x81808180" in ptx and ("0x7E807E80" in ptx) != fold, what

@@ -203,6 +203,21 @@ GLUON2_MIN_N = 2048  # (the reduction of GEMM2, the intermediate size, from whic
 GLUON_TUNE_MIN_BM = 16
 
 
+# The 8-warp Gluon GEMMs of 64-row blocks compile to 99-112 registers a thread, so an SM holds two
+# of their programs (16 warps); Nsight Compute (``benchmarks/results/ncu_gluon_mid.txt``) found them
+# issuing in 0.36-0.43 of cycles with 0.6-0.8 eligible warps a scheduler, waiting on loads,
+# barriers and the wgmma. Capped at GLUON_BM64_MAXNREG (ptxas ``maxnreg``) they fit three (no local
+# memory, loops 7-9 % longer): H200, whole op (``benchmarks/results/gluon_cap.md``), Qwen3 at 512
+# tokens 211.7 -> 198.6 us, DSv4 at 2048 1097.2 -> 1037.8. The 32-row plans (75 registers, three
+# programs) capped at 64 for four were 1 % slower (gpt-oss at 512), so they stay uncapped.
+GLUON_BM64_MAXNREG = 80
+
+
+def gluon_maxnreg(bm: int, warps: int) -> int | None:
+    """The register cap of a Gluon GEMM launch of ``warps`` warps for ``bm``-row blocks (None: none)."""
+    return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 else None
+
+
 def gluon_forms(bm: int, intermediate_size: int) -> tuple[dict | None, dict | None]:
     """The Gluon GEMM1 and GEMM2 forms an untuned plan of ``bm``-row blocks takes (None: tl.dot)."""
     if bm < GLUON_MIN_BM:
@@ -873,7 +888,7 @@ class GeometryPlans:
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
                 ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
-                        cfg.bn1 // 8, 1)
+                        cfg.bn1 // 8, 1, gluon_maxnreg(cfg.bm, cfg.bn1 // 8))
             else:
                 ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
@@ -883,7 +898,7 @@ class GeometryPlans:
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
                 ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
-                        cfg.bn2 // 16, 1)
+                        cfg.bn2 // 16, 1, gluon_maxnreg(cfg.bm, cfg.bn2 // 16))
             else:
                 ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps2, _stages(cfg.bk2, cfg.stages2))
@@ -994,7 +1009,7 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 20, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 21, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
     # (the version: 20 the decode of 9 integer instructions a word (timings change); 19 GEMM1's 256-row tile of 16-row blocks among the candidates; 18 GEMM2's 128-row
     # tile of 16-row blocks among them; 17 the mma.sync GEMV's gemv2 of 3, 4, 6, 8 chunks or a whole row, of 128 rows where
