@@ -12,7 +12,9 @@ express:
   consecutive steps decode into two register sets, alternately, and every wait lists both sets;
   with one set the next decode rewrote registers an MMA still read, which ptxas
   did not catch across the loop (wrong bits in some H200 runs).
-  ``compile_offline.wgmma_operand_hazards`` checks the SASS (``tests/test_compile_sm90.py``);
+  ``compile_offline.wgmma_operand_hazards`` checks the SASS (``tests/test_compile_sm90.py``).
+  Launches capped below what both sets need (``plan.GLUON_BM64_MAXNREG``) compile to a wait for
+  each step's MMAs instead: ptxas keeps the operands live by waiting;
 * **explicit copies, one barrier a step.** The codes and the activations of step k + STAGES - 2
   are copied asynchronously (``cp.async``) into a ring of STAGES buffers (an even count) while step
   k is decoded and multiplied. A buffer is refilled only after every warp has waited for the MMAs

@@ -207,9 +207,12 @@ GLUON_TUNE_MIN_BM = 16
 # of their programs (16 warps); Nsight Compute (``benchmarks/results/ncu_gluon_mid.txt``) found them
 # issuing in 0.36-0.43 of cycles with 0.6-0.8 eligible warps a scheduler, waiting on loads,
 # barriers and the wgmma. Capped at GLUON_BM64_MAXNREG (ptxas ``maxnreg``) they fit three (no local
-# memory, loops 7-9 % longer): H200, whole op (``benchmarks/results/gluon_cap.md``), Qwen3 at 512
-# tokens 211.7 -> 198.6 us, DSv4 at 2048 1097.2 -> 1037.8. The 32-row plans (75 registers, three
-# programs) capped at 64 for four were 1 % slower (gpt-oss at 512), so they stay uncapped.
+# memory, loops 7-9 % longer), and ptxas then waits for each step's MMAs before the next decode
+# (the two register sets no longer fit; 96 registers would keep the overlap, and two programs):
+# more warps an SM pay more than the overlap did. H200, whole op
+# (``benchmarks/results/gluon_cap.md``), Qwen3 at 512 tokens 211.7 -> 198.6 us, DSv4 at 2048
+# 1097.2 -> 1037.8. The 32-row plans (75 registers, three programs) capped at 64 for four were 1 %
+# slower (gpt-oss at 512), so they stay uncapped.
 GLUON_BM64_MAXNREG = 80
 
 
