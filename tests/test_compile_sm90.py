@@ -199,11 +199,11 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     conversions would fail the compile otherwise), the main loop's wait leaving the step's two MMAs
     in flight (``wgmma.wait_group`` 2; in the SASS too, but for the launches capped at
     ``plan.GLUON_BM64_MAXNREG`` registers, where ptxas waits for them instead) with no write to an
-    in-flight MMA's operand registers before the wait that covers it, one barrier a K step in the main loop (the compiler's barrier analysis
-    adding none between a step's copies and its reads; triton 3.9's adds one a loop trip, at the
-    back edge), shared memory within an SM's, and no local
+    in-flight MMA's operand registers before the wait that covers it, one barrier a K step in the
+    main loop (the compiler's barrier analysis adding none between a step's copies and its reads;
+    triton 3.9's adds one a loop trip, at the back edge), shared memory within an SM's, and no local
     memory (16-warp tiles keep a few bytes of stack at their 128-register cap, the 64-row ones at
-    theirs, ``plan.GLUON_BM64_MAXNREG``)."""
+    theirs)."""
     import dataclasses
     import re
 
