@@ -116,9 +116,9 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
     expert blocks gets them in the forms measured for its block size (``gluon_forms``: GEMM1 in 64
     columns below 128-row blocks, 128 at them; GEMM2 in 128 rows below, in 256 at 128-row blocks
     only where its reduction is long); smaller blocks and the GEMV path keep the tl.dot kernels;
-    the rest of the config is unchanged; the 8-warp launches of 32- and 64-row blocks are capped at
-    ``GLUON_MID_MAXNREG`` registers and load their scale bytes a step ahead (``gluon_scale_ahead``),
-    no other; turned off, and on a CPU geometry, it is off (``gluon_status`` says why)."""
+    the rest of the config is unchanged; the 8-warp launches of 64-row blocks are capped at
+    ``GLUON_BM64_MAXNREG`` registers, no other; turned off, and on a CPU geometry, it is off
+    (``gluon_status`` says why)."""
     g = geometry(*GEOS[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
     assert not gp.gluon  # (a dry plan, on the CPU)
@@ -148,14 +148,11 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
         else:
             assert not got.gluon2 and got.tiles2() == cfg.tiles2()
         assert gp.with_gluon(got) == got  # (a config already in Gluon is kept as it is)
-        # the launches' register cap and scale loads: the 8-warp forms of 32- and 64-row blocks only
+        # the launches' register cap: the 8-warp forms of 64-row blocks only (three programs an SM)
         _, l1, l2, _ = gp.stages(got, tokens)
-        mid = cfg.bm in (32, 64)
-        assert l1.options.get("maxnreg") == (P.GLUON_MID_MAXNREG if mid else None), (tokens, l1.options)
-        assert l1.constexprs["AHEAD"] == mid, tokens
+        assert l1.options.get("maxnreg") == (P.GLUON_BM64_MAXNREG if cfg.bm == 64 else None), (tokens, l1.options)
         if got.gluon2:
-            assert l2.options.get("maxnreg") == (P.GLUON_MID_MAXNREG if mid else None), (tokens, l2.options)
-            assert l2.constexprs["AHEAD"] == mid, tokens
+            assert l2.options.get("maxnreg") == (P.GLUON_BM64_MAXNREG if cfg.bm == 64 else None), (tokens, l2.options)
     assert 128 in seen  # (the largest batches always run 128-row blocks)
     for bm in (16, 32, 64, 128):  # (every block size: what gluon_forms picks, or tl.dot below GLUON_MIN_BM)
         f1, f2 = P.gluon_forms(bm, g.intermediate_size)

@@ -13,7 +13,7 @@ express:
   with one set the next decode rewrote registers an MMA still read, which ptxas
   did not catch across the loop (wrong bits in some H200 runs).
   ``compile_offline.wgmma_operand_hazards`` checks the SASS (``tests/test_compile_sm90.py``).
-  Launches capped below what both sets need (``plan.GLUON_MID_MAXNREG`` at 64-row blocks) compile to a wait for
+  Launches capped below what both sets need (``plan.GLUON_BM64_MAXNREG``) compile to a wait for
   each step's MMAs instead: ptxas keeps the operands live by waiting;
 * **explicit copies, one barrier a step.** The codes and the activations of step k + STAGES - 2
   are copied asynchronously (``cp.async``) into a ring of STAGES buffers (an even count) while step
@@ -106,8 +106,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _mainloop(w_g, gvalid, s_row, s_ok, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
-                  BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, mma: gl.constexpr,
-                  a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
+                  BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+                  code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
         """``W tile @ rows^T`` over the reduction (length ``RED``), fp32 ``[R, BM]`` in the wgmma layout.
 
         ``w_g``: ``[G]`` pointers to the tile's repacked row groups (``gvalid``: which exist);
@@ -146,12 +146,7 @@ if HAS_GLUON:
                 _copies(i0 * BK, ring[i0], c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)
             async_copy.commit_group()
 
-        # (the scale bytes of the first step, and with AHEAD of the second: loaded ahead, ``_step``)
-        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
-        if AHEAD:
-            sb2 = gl.load(s_src + BK // 32, mask=s_ok & ((BK // 32 + sblk) < KS), other=0).to(gl.int32)
-        else:
-            sb2 = sb
+        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)  # (scale bytes: a step ahead)
         acc = gl.zeros([R, BM], gl.float32, layout=mma)
         # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
         # consecutive steps decode into two register sets (A, B, A, ...), and each wait lists both
@@ -166,16 +161,17 @@ if HAS_GLUON:
         wo_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
         K1: gl.constexpr = NSTEP % STAGES
         for p in gl.static_range(K1):
-            acc, sb, sb2, we_a, wo_a, we_b, wo_b = _step_in_set(
-                (K1 - p) % 2 == 1, p * BK, acc, sb, sb2, we_a, wo_a, we_b, wo_b, ring[p], ring[(p + D) % STAGES],
-                c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, AHEAD, a_l, code_l, p7,
-                x_l)
+            acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b,
+                                                           ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                           sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
+                                                           code_l, p7, x_l)
         for kk in range(NSTEP // STAGES):
             for s in gl.static_range(STAGES):
-                acc, sb, sb2, we_a, wo_a, we_b, wo_b = _step_in_set(
-                    s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, sb2, we_a, wo_a, we_b, wo_b,
-                    ring[(K1 + s) % STAGES], ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk, x_rows,
-                    rvalid_x, RED, R, BM, BK, STAGES, FOLD, AHEAD, a_l, code_l, p7, x_l)
+                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a,
+                                                               wo_a, we_b, wo_b, ring[(K1 + s) % STAGES],
+                                                               ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                               sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD,
+                                                               a_l, code_l, p7, x_l)
         acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
         # every thread's copies (those past the last step write zeros) have landed and every warp is
         # past its last read of the ring before the caller's shared memory may reuse it
@@ -184,20 +180,20 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _step_in_set(B: gl.constexpr, k0, acc, sb, sb2, we_a, wo_a, we_b, wo_b, cur, nxt, c_src, c_ok, s_src, s_ok,
-                     sblk, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                     STAGES: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, a_l: gl.constexpr,
-                     code_l: gl.constexpr, p7: gl.constexpr, x_l: gl.constexpr):
+    def _step_in_set(B: gl.constexpr, k0, acc, sb, we_a, wo_a, we_b, wo_b, cur, nxt, c_src, c_ok, s_src, s_ok, sblk,
+                     x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, FOLD: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr,
+                     p7: gl.constexpr, x_l: gl.constexpr):
         """``_step`` decoding into register set B (else A), then the wait that leaves its two MMAs and
-        the previous step's in flight, listing both sets: ``(acc, sb, sb2, we_a, wo_a, we_b, wo_b)``."""
-        acc, sb, sb2, we, wo = _step(k0, acc, sb, sb2, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED,
-                                     R, BM, BK, STAGES, FOLD, AHEAD, a_l, code_l, p7, x_l)
+        the previous step's in flight, listing both sets: ``(acc, sb, we_a, wo_a, we_b, wo_b)``."""
+        acc, sb, we, wo = _step(k0, acc, sb, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM,
+                                BK, STAGES, FOLD, a_l, code_l, p7, x_l)
         if B:
             we_b, wo_b = we, wo
         else:
             we_a, wo_a = we, wo
         acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=2, deps=[acc, we_a, wo_a, we_b, wo_b])
-        return acc, sb, sb2, we_a, wo_a, we_b, wo_b
+        return acc, sb, we_a, wo_a, we_b, wo_b
 
     @gluon.jit
     def _copies(kd, bufs, c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH: gl.constexpr, NQ: gl.constexpr):
@@ -210,18 +206,14 @@ if HAS_GLUON:
         _cp_async(bufs[0], c_src + (kd // 64) * 512, mask=c_ok & ((kd // 64 + q_c) < NQ)[None, :, None, None])
 
     @gluon.jit
-    def _step(k0, acc, sb, sb2, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x,
+    def _step(k0, acc, sb, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x,
               RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              FOLD: gl.constexpr, AHEAD: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr,
-              x_l: gl.constexpr):
+              FOLD: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, x_l: gl.constexpr):
         """``_mainloop``'s step at reduction element ``k0``: wait for its copies (in ``cur``), start the
         copies of the step STAGES - 2 ahead (into ``nxt``, the buffers of the step two back), decode
-        (the previous step's MMAs still run), issue the two MMAs on the decoded registers. The scale
-        bytes (plain global loads, a byte a thread each) are loaded after the decode for the next
-        step (``sb``: this step's), or with ``AHEAD`` for the step after it (``sb2``: the next
-        step's), so that they have two steps to arrive for four registers more
-        (``plan.gluon_scale_ahead``). Returns ``(acc, sb, sb2, even operand, odd operand)`` for the
-        next step: the caller keeps the operands live until a wait covers the MMAs."""
+        (the previous step's MMAs still run), issue the two MMAs on the decoded registers, load the
+        next step's scale bytes. Returns ``(acc, next scale bytes, even operand, odd operand)``: the
+        caller keeps the operands live until a wait covers the MMAs."""
         BKH: gl.constexpr = BK // 2
         G: gl.constexpr = R // 16
         Q: gl.constexpr = BK // 64
@@ -241,16 +233,11 @@ if HAS_GLUON:
         _copies(k0 + D * BK, nxt, c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)
         async_copy.commit_group()
         we, wo = _decode_operands(cur[0].load(code_l), sb, G, Q, R, BKH, FOLD, a_l, p7)
-        if AHEAD:  # (``sb2``: the next step's, loaded a step ago; now the one after it)
-            kn = k0 + 2 * BK
-            sb = sb2
-            sb2 = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
-        else:
-            kn = k0 + BK
-            sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
+        kn = k0 + BK
+        sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
         acc = warpgroup_mma(we, cur[1].permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(wo, cur[2].permute((1, 0)), acc, is_async=True)
-        return acc, sb, sb2, we, wo
+        return acc, sb, we, wo
 
     @gluon.jit
     def _decode_operands(codes, sb, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr,
@@ -287,9 +274,9 @@ if HAS_GLUON:
         nblocks, limit,
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-        BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, mma: gl.constexpr,
-        a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr,
-        mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
+        BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+        code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr, mma_h: gl.constexpr,
+        a_l_h: gl.constexpr, HALF: gl.constexpr,
     ):
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
@@ -302,24 +289,22 @@ if HAS_GLUON:
         if HALF:
             if nrow <= BM // 2:
                 _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
-                             UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 2, BN, BK, STAGES, FOLD, AHEAD, mma_h, a_l_h,
-                             code_l, p7, s5_l, x_l)
+                             UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 2, BN, BK, STAGES, FOLD, mma_h, a_l_h, code_l, p7,
+                             s5_l, x_l)
             else:
                 _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
-                             UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, AHEAD, mma, a_l, code_l, p7,
-                             s5_l, x_l)
+                             UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l,
+                             x_l)
         else:
             _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
-                         UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, AHEAD, mma, a_l, code_l, p7, s5_l,
-                         x_l)
+                         UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
 
     @gluon.jit
     def _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K: gl.constexpr,
                      N: gl.constexpr, TOPK: gl.constexpr, UP_FIRST: gl.constexpr, HAS_LIMIT: gl.constexpr,
                      HAS_GS: gl.constexpr, BLK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                     STAGES: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, mma: gl.constexpr,
-                     a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
-                     x_l: gl.constexpr):
+                     STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+                     code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
         """``gemm1_gluon_kernel``'s program on the first ``BM`` rows of its ``BLK``-row block."""
         R: gl.constexpr = 2 * BN  # the operand's rows: BN of up (the first half of the warps), then BN of gate
         G: gl.constexpr = R // 16
@@ -342,8 +327,8 @@ if HAS_GLUON:
             + (l_s // 4)[None, None, :, None, None]  # the lane's intermediate columns
         s_row = s_ptr + e.to(gl.int64) * (2 * N * KS) \
             + (r_s + gl.where(g_s < G // 2, UP0, GATE0)[:, None, None, None, None]) * KS
-        acc = _mainloop(w_g, gvalid, s_row, r_s < N, x_rows, rvalid_x, K, R, BM, BK, STAGES, FOLD, AHEAD, mma, a_l,
-                        code_l, p7, s5_l, x_l)
+        acc = _mainloop(w_g, gvalid, s_row, r_s < N, x_rows, rvalid_x, K, R, BM, BK, STAGES, FOLD, mma, a_l, code_l,
+                        p7, s5_l, x_l)
 
         # epilogue (kernels._store_act): up and gate meet in shared memory; 32 columns at a time, a
         # thread takes EPT of one token's (SwiGLU, then the MXFP8 quant-dequant of the 32, the
@@ -372,8 +357,8 @@ if HAS_GLUON:
         nblocks,
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
-        AHEAD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr,
-        s5_l: gl.constexpr, x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
+        mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
+        x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
     ):
         """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 warps (BN = 128
         or 256: a warpgroup 64 of the W2 rows), an even STAGES >= 4; its layouts from ``layouts(BN, BM)``.
@@ -385,21 +370,21 @@ if HAS_GLUON:
         if HALF:
             if nrow <= BM // 2:
                 _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
-                             TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, STAGES, FOLD, AHEAD, mma_h, a_l_h, code_l, p7,
-                             s5_l, x_l)
+                             TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, STAGES, FOLD, mma_h, a_l_h, code_l, p7, s5_l,
+                             x_l)
             else:
                 _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
-                             TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES, FOLD, AHEAD, mma, a_l, code_l, p7, s5_l, x_l)
+                             TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
         else:
             _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N, TOPK,
-                         HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES, FOLD, AHEAD, mma, a_l, code_l, p7, s5_l, x_l)
+                         HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
 
     @gluon.jit
     def _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr,
                      N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
                      BLK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                     FOLD: gl.constexpr, AHEAD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
-                     code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
+                     FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr,
+                     p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
         """``gemm2_gluon_kernel``'s program on the first ``BM`` rows of its ``BLK``-row block."""
         NS: gl.constexpr = N // 32
         NQ: gl.constexpr = (N // 2 + 31) // 32
@@ -412,7 +397,7 @@ if HAS_GLUON:
             + (l_s // 4)[None, None, :, None, None]  # the lane's output rows
         s_row = s_ptr + e.to(gl.int64) * (K * NS) + r_s * NS
         acc = _mainloop(w_g, (pid_n * BN + 16 * g_c) < K, s_row, r_s < K, x_rows, offs_r < nrow, N, BN, BM, BK,
-                        STAGES, FOLD, AHEAD, mma, a_l, code_l, p7, s5_l, x_l)
+                        STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
         _gemm2_epilogue(acc, pid_m * BLK, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
                         BM, BN, mma)
 

@@ -206,34 +206,19 @@ GLUON_TUNE_MIN_BM = 16
 # The 8-warp Gluon GEMMs of 64-row blocks compile to 99-112 registers a thread, so an SM holds two
 # of their programs (16 warps); Nsight Compute (``benchmarks/results/ncu_gluon_mid.txt``) found them
 # issuing in 0.36-0.43 of cycles with 0.6-0.8 eligible warps a scheduler, waiting on loads,
-# barriers and the wgmma. Capped at GLUON_MID_MAXNREG (ptxas ``maxnreg``) they fit three (no local
+# barriers and the wgmma. Capped at GLUON_BM64_MAXNREG (ptxas ``maxnreg``) they fit three (no local
 # memory, loops 7-9 % longer), and ptxas then waits for each step's MMAs before the next decode
 # (the two register sets no longer fit; 96 registers would keep the overlap, and two programs):
 # more warps an SM pay more than the overlap did. H200, whole op
 # (``benchmarks/results/gluon_cap.md``), Qwen3 at 512 tokens 211.7 -> 198.6 us, DSv4 at 2048
-# 1097.2 -> 1037.8. The 32-row forms (75 registers uncapped, three programs) capped at 64 for four
-# were 1 % slower; they take the cap of 80 for their scale bytes loaded ahead (below).
-GLUON_MID_MAXNREG = 80
+# 1097.2 -> 1037.8. The 32-row plans (75 registers, three programs) capped at 64 for four were 1 %
+# slower (gpt-oss at 512), so they stay uncapped.
+GLUON_BM64_MAXNREG = 80
 
 
 def gluon_maxnreg(bm: int, warps: int) -> int | None:
     """The register cap of a Gluon GEMM launch of ``warps`` warps for ``bm``-row blocks (None: none)."""
-    return GLUON_MID_MAXNREG if bm in (32, 64) and warps == 8 else None
-
-
-# The Gluon GEMMs load a step's scale bytes with plain global loads (a byte a thread each, not
-# through the cp.async ring). Loaded at the top of the step before (``gluon_kernels._step``'s
-# ``AHEAD``) rather than after its decode, they have the whole step to arrive, and the decode holds
-# both steps' bytes (four registers more at bk = 64). At 32- and 64-row blocks, under
-# GLUON_MID_MAXNREG, that costs no program an SM and no spill (offline, sm_90): H200, whole op
-# (``benchmarks/results/gluon_ahead.md``). At 128-row blocks (16 warps, at the 128 registers
-# the launch allows) it adds spills and was 1-6 % slower at 8192 tokens: off there.
-GLUON_AHEAD_MAX_BM = 64
-
-
-def gluon_scale_ahead(bm: int) -> bool:
-    """Whether the Gluon GEMMs of ``bm``-row blocks load each step's scale bytes a step early."""
-    return bm <= GLUON_AHEAD_MAX_BM
+    return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 else None
 
 
 def gluon_forms(bm: int, intermediate_size: int) -> tuple[dict | None, dict | None]:
@@ -905,8 +890,7 @@ class GeometryPlans:
                       BK=cfg.bk1, FOLD=self.fold, HALF=half)
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
-                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, AHEAD=gluon_scale_ahead(cfg.bm),
-                                                    **GK.layouts(2 * cfg.bn1, cfg.bm)),
+                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1, gluon_maxnreg(cfg.bm, cfg.bn1 // 8))
             else:
                 ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
@@ -916,8 +900,7 @@ class GeometryPlans:
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
-                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, AHEAD=gluon_scale_ahead(cfg.bm),
-                                                    **GK.layouts(cfg.bn2, cfg.bm)),
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
                         cfg.bn2 // 16, 1, gluon_maxnreg(cfg.bm, cfg.bn2 // 16))
             else:
                 ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
@@ -1029,10 +1012,9 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 22, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 21, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 22 the scale bytes a step ahead in the 32- and 64-row Gluon GEMMs, capped at 80
-    # registers; 21 the register cap of the 64-row Gluon GEMMs; 20 the decode of 9 integer
+    # (the version: 21 the register cap of the 64-row Gluon GEMMs; 20 the decode of 9 integer
     # instructions a word (timings change); 19 GEMM1's 256-row tile of 16-row blocks among the
     # candidates; 18 GEMM2's 128-row tile of 16-row blocks among them; 17 the mma.sync GEMV's gemv2
     # of 3, 4, 6, 8 chunks or a whole row, of 128 rows where K <= 2048; 16 the mma.sync GEMV's gemv2
