@@ -305,16 +305,22 @@ def test_untuned_plans_take_the_gluon_gemm1_and_tuned_ones_keep_their_choice(tmp
     assert a != b
 
 
-def test_long_reductions_take_128_row_blocks_from_48_rows_an_expert():
-    """Geometries whose GEMM2 reduction is long (N >= GLUON2_MIN_N) take 128-row blocks above
-    LONG_N_BM128_ROWS rows an expert (gpt-oss at 2048 tokens: 64); short ones keep the bounds of
-    ``_REGIMES`` (the DeepSeek rank at 4096 tokens, 64 rows an expert: 64-row blocks)."""
-    gpt, dsv4 = geometry(*GEOS["gpt-oss-120b"]), geometry(*GEOS["dsv4.1-tp4"])
-    assert P.default_config(2048, gpt).bm == 128 and P.default_config(1024, gpt).bm == 64
-    assert P.default_config(4096, dsv4).bm == 64 and P.default_config(8192, dsv4).bm == 128
-    for tokens in (512, 1024, 2048, 8192):  # (the rule moves no count of a short reduction)
-        rows = tokens * dsv4.top_k / dsv4.num_experts
-        assert P._regime(tokens, dsv4) == next(c for b, c in P._REGIMES if rows <= b)
+@pytest.mark.parametrize("name", list(GEOS))
+def test_block_sizes_follow_the_rows_an_expert(name):
+    """Every geometry's blocked plans take the block size of ``_REGIMES``' bound for their rows an
+    expert, long GEMM2 reductions too (gpt-oss at 2048 tokens, 64 rows an expert: 64-row blocks;
+    at 4096, 128 rows: 128-row blocks)."""
+    g = geometry(*GEOS[name])
+    bounds = [b for b, _ in P._REGIMES]
+    for tokens in (8, 64, 512, 1024, 2048, 4096, 8192):
+        cfg = P.default_config(tokens, g)
+        if cfg.gemv:
+            continue
+        rows = tokens * g.top_k / min(g.num_experts, tokens * g.top_k)
+        want = next((c for b, c in P._REGIMES if rows <= b), P._REGIMES[-1][1])[0][0]
+        assert cfg.bm == want, (tokens, rows, bounds, cfg.bm)
+    if name == "gpt-oss-120b":
+        assert P.default_config(2048, g).bm == 64 and P.default_config(4096, g).bm == 128
 
 
 def test_16_row_blocks_take_the_wide_tiles():

@@ -297,13 +297,11 @@ def _stages(bk: int, stages: int) -> int:
     return min(stages, 2) if bk <= 64 else stages
 
 
-# With half tiles, a geometry whose GEMM2 reduction is long (N >= GLUON2_MIN_N: 128-row blocks run
-# both GEMMs in Gluon) takes 128-row blocks from this many rows an expert: one block (or one half
-# tile) an expert, where 64-row blocks split the experts above 64 rows and decode their weights twice.
-# H200, gpt-oss at 2048 tokens (64 rows an expert): 1410 against 1467 us (results/gluon_regimes.md),
-# 1480 -> 1421 us in the table (results/results.md); the DeepSeek rank (N = 576) loses 11 % at 64 rows
-# an expert, so short reductions keep the bounds.
-LONG_N_BM128_ROWS = 48
+# Every geometry takes the block size ``_REGIMES`` gives its rows an expert. (Long GEMM2 reductions,
+# N >= GLUON2_MIN_N, used to take 128-row blocks from 48 rows an expert: H200, gpt-oss at 2048
+# tokens, 64 rows an expert, 1410 against 1467 us while the 64-row Gluon forms were uncapped,
+# results/gluon_regimes.md. Under their register cap, GLUON_BM64_MAXNREG, 64-row blocks are faster
+# there, 1329.7 against 1389.6 us, the same file's last section.)
 
 
 def _rows(tokens: int, geometry) -> float:
@@ -315,8 +313,6 @@ def _rows(tokens: int, geometry) -> float:
 def _regime(tokens: int, geometry):
     g = geometry
     rows = _rows(tokens, g)
-    if g.intermediate_size >= GLUON2_MIN_N and rows > LONG_N_BM128_ROWS:
-        return _REGIMES[-1][1]
     for bound, cands in _REGIMES:
         if rows <= bound:
             return cands
