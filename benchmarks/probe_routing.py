@@ -6,7 +6,8 @@ Per geometry and token count M (the blocked path's default config at M, whatever
 microseconds per call, CUDA-graph replay of ``--calls`` launches, median of ``--reps`` replays, of
 
 * ``route``: the routing programs alone (the old kernel's program 0; the new kernel's
-  ``cdiv(S, RT)`` first programs), i.e. what the GEMMs wait on beyond the quantization;
+  ``cdiv(S, RT)`` first programs and, where there are several, as many placing ones after them),
+  i.e. what the GEMMs wait on beyond the quantization;
 * ``prologue``: the whole launch (routing and the quantization of x, as the op runs it).
 
 The old kernel is ``old_routing.py`` (a copy kept for this comparison). Every point first checks
@@ -59,6 +60,7 @@ def launchers(g, gp, cfg, rn, x, ids, w):
     new_args = head + (a["route_cnt"], a["route_key"], a["route_off"]) + tail
     old_args = head + (a["cursor"],) + tail
     route = -(-(M * g.top_k) // rn.route_slots)
+    route += route if route > 1 else 0  # (the placing programs)
     old_c = dict(K=g.hidden_size, E=E, E_PAD=gp.e_pad, TOPK=g.top_k, BM=cfg.bm, CH=OLD["CH"], BCH=OLD["BCH"],
                  QR=OLD["QR"], QK=OLD["QK"], ZERO_ACC=cfg.atomic)
 
@@ -107,6 +109,7 @@ def main(argv=None):
             fns = launchers(g, gp, cfg, rn, x, ids, w)
             for kernel in ("old", "new"):
                 check(g, gp, cfg, fns[(kernel, "prologue")], ids, w)
+            check(g, gp, cfg, fns[("new", "route")], ids, w)
             t = {k: graph_time([fn] * args.calls, args.reps) * 1e6 for k, fn in fns.items()}
             r = -(-(M * geo["top_k"]) // rn.route_slots)
             print(f"| {name} | {M} | {M * geo['top_k']} | {cfg.bm} | {rn.route_slots} | {r} | "

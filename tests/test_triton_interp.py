@@ -135,7 +135,7 @@ def test_interp_repacked_decode_with_scales_is_exact(lo, hi):
     assert torch.equal(ev, want[:, 0::2]) and torch.equal(od, want[:, 1::2])
 
 
-def _check_routing(layer, x, ids, w, bm, rt=None, nbt=None, sch=None, qk=None, qs=None, atomic=None):
+def _check_routing(layer, x, ids, w, bm, rt=None, nbt=None, qk=None, qs=None, atomic=None):
     """The prologue of a blocked config of ``bm`` rows alone (its tiles replaced where given:
     small ones reach the many-program path and the loops at interpreter sizes; ``qk``/``qs`` the
     quantizing programs' column pieces), against ``route_torch``; the kernel's counters are left
@@ -149,7 +149,7 @@ def _check_routing(layer, x, ids, w, bm, rt=None, nbt=None, sch=None, qk=None, q
     gp.reserve(max(64, x.shape[0]), cfg)
     rn = gp.runner(cfg, x.shape[0])
     ln = rn.prologue
-    tiles = {k: v for k, v in dict(RT=rt, NBT=nbt, SCH=sch, QK=qk, QS=qs).items() if v is not None}
+    tiles = {k: v for k, v in dict(RT=rt, NBT=nbt, QK=qk, QS=qs).items() if v is not None}
     if tiles:
         ln = P.Launch(ln.fn, dict(ln.constexprs, **tiles), ln.num_warps, ln.num_stages)
         kt = -(-layer.K // ln.constexprs["QK"])
@@ -207,33 +207,34 @@ def test_interp_prologue_quantizes_x_in_pieces(qs, atomic):
         assert acc.numel() >= x.numel() and not a["acc"][: x.numel()].any()
 
 
-# (E, top_k, offset, M, padding rows, skew, RT, NBT, SCH): S = M * top_k on either side of the one-
-# program bound RT, the many-program path with its loops over several steps, E = 384 top-6, EP
-# offsets with foreign ids, padding rows, every slot on one expert (one expert's many blocks)
+# (E, top_k, offset, M, padding rows, skew, RT, NBT): S = M * top_k on either side of the one-
+# program bound RT, the many-program path (routing tiles, then as many placing programs) with the
+# block table's loop over several steps, E = 384 top-6, EP offsets with foreign ids, padding rows,
+# every slot on one expert (one expert's many blocks)
 ROUTING_SIZES = [
-    (384, 6, 0, 170, 0, False, None, None, None),  # S = 1020 <= RT = 1024: one program
-    (384, 6, 384, 171, 5, False, None, None, None),  # S = 1026: two programs
-    (8, 4, 0, 256, 0, False, None, None, None),  # S = 1024 = RT exactly
-    (8, 4, 3, 257, 3, False, None, None, None),
-    (128, 8, 0, 40, 2, False, 64, 16, 64),  # 5 programs, block table and placement in several steps
-    (384, 6, 100, 90, 7, False, 32, 64, 128),  # 17 programs, E = 384 > the blocks a step
-    (8, 2, 0, 37, 0, True, 16, 16, 32),  # every slot on one expert
-    (5, 3, 7, 33, 4, True, 16, 32, 16),
-    (3, 3, 0, 6, 0, False, 16, 16, 16),  # S = 18: two programs, the second of two slots
+    (384, 6, 0, 170, 0, False, None, None),  # S = 1020 <= RT = 1024: one program
+    (384, 6, 384, 171, 5, False, None, None),  # S = 1026: two programs
+    (8, 4, 0, 256, 0, False, None, None),  # S = 1024 = RT exactly
+    (8, 4, 3, 257, 3, False, None, None),
+    (128, 8, 0, 40, 2, False, 64, 16),  # 5 routing and 5 placing programs, the block table in several steps
+    (384, 6, 100, 90, 7, False, 32, 64),  # 17 programs each, E = 384 > the blocks a step
+    (8, 2, 0, 37, 0, True, 16, 16),  # every slot on one expert
+    (5, 3, 7, 33, 4, True, 16, 32),
+    (3, 3, 0, 6, 0, False, 16, 16),  # S = 18: two programs, the second of two slots
 ]
 
 
 @inner
-@pytest.mark.parametrize("E, top_k, offset, M, pad, skew, rt, nbt, sch", ROUTING_SIZES)
+@pytest.mark.parametrize("E, top_k, offset, M, pad, skew, rt, nbt", ROUTING_SIZES)
 @pytest.mark.parametrize("bm", [16, 64])
-def test_interp_routing_sizes_match_twin(E, top_k, offset, M, pad, skew, rt, nbt, sch, bm):
+def test_interp_routing_sizes_match_twin(E, top_k, offset, M, pad, skew, rt, nbt, bm):
     layer = make_layer(E=E, K=64, N=32, top_k=top_k, offset=offset)
     for seed in range(2):  # twice: the second call sees the counters the first left
         x, ids, w = make_batch(layer, M, seed=seed, padding_rows=pad, id_dtype=torch.int64 if seed else torch.int32)
         if skew:
             ids[:, 0] = offset + E - 1
             ids[: M // 2, 1:] = offset + E - 1
-        _check_routing(layer, x, ids, w, bm, rt, nbt, sch)
+        _check_routing(layer, x, ids, w, bm, rt, nbt)
 
 
 @inner

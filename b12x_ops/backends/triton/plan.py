@@ -32,9 +32,9 @@ log = logging.getLogger("b12x_ops.triton")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The prologue: at most RT slots a routing program (all of them in one program's registers up to
-# RT slots), at most NBT blocks a step of the block table, SCH slots a step of the last routing
-# program's placement; QR rows of x of QK columns a step a quantizing program.
-PROLOGUE = dict(RT=1024, NBT=512, SCH=4096, QR=4, QK=512, warps=8)
+# RT slots) and a placing one, at most NBT blocks a step of the block table; QR rows of x of QK
+# columns a step a quantizing program.
+PROLOGUE = dict(RT=1024, NBT=512, QR=4, QK=512, warps=8)
 # A quantizing program of the prologue takes one QK-column piece of its QR rows while the planned
 # token count is under this many row groups, else whole rows (``quant_pieces``).
 PROLOGUE_WHOLE_ROWS = 128
@@ -849,7 +849,7 @@ class GeometryPlans:
         elif kind == "prologue":
             p = PROLOGUE
             ln = mk(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, RT=rt,
-                                             NBT=nbt, SCH=p["SCH"], QR=p["QR"], QK=p["QK"], QS=qs,
+                                             NBT=nbt, QR=p["QR"], QK=p["QK"], QS=qs,
                                              ZERO_ACC=cfg.atomic),
                     p["warps"], 1)
         elif cfg.gemv and cfg.mma:  # (gluon_gemv: the constexprs, then the layouts)
@@ -963,7 +963,7 @@ class GeometryPlans:
         a.need("blk_rows", nb, torch.int32)
         a.need("route_key", S, torch.int32)
         a.need("route_off", S, torch.int32)
-        a.need("route_cnt", self.e_pad + 1, torch.int32, zeroed=True)  # (counts and arrivals: the kernel resets them)
+        a.need("route_cnt", K_.route_cnt_words(self.e_pad), torch.int32, zeroed=True)  # (the kernel resets it)
         a.need("act", nb * cfg.bm * g.intermediate_size, self.act_dtype)
         if cfg.atomic:
             a.need("acc", tokens * g.hidden_size, torch.float32)
@@ -1008,9 +1008,10 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 22, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 23, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 22 long reductions' block sizes by the regimes, so their candidates too; 21 the
+    # (the version: 23 the prologue's placement spread over placing programs (whole calls' timings
+    # change); 22 long reductions' block sizes by the regimes, so their candidates too; 21 the
     # register cap of the 64-row Gluon GEMMs; 20 the decode of 9 integer
     # instructions a word (timings change); 19 GEMM1's 256-row tile of 16-row blocks among the
     # candidates; 18 GEMM2's 128-row tile of 16-row blocks among them; 17 the mma.sync GEMV's gemv2
