@@ -377,15 +377,22 @@ def prologue_kernel(
         rows = (q // KP) * QR + tl.arange(0, QR)
         rm = rows < M
         c0 = (q % KP) * (QS * QK)
-        for k0 in range(c0, tl.minimum(c0 + QS * QK, K), QK):
+        end = tl.minimum(c0 + QS * QK, K)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+        ks = c0 + tl.arange(0, QK)
+        raw = tl.load(x_rows + ks[None, :], mask=rm[:, None] & (ks < end)[None, :], other=0)
+        for k0 in range(c0, end, QK):
+            # the next piece's load before this one's work: two pieces in flight
+            kn = k0 + QK + tl.arange(0, QK)
+            nxt = tl.load(x_rows + kn[None, :], mask=rm[:, None] & (kn < end)[None, :], other=0)
             ks = k0 + tl.arange(0, QK)
             msk = rm[:, None] & (ks < K)[None, :]
-            raw = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=msk, other=0)
             xq = quant_dequant_mxfp8_tile(half_bits_to_f32(raw, x_fp16), QR, QK)
             tl.store(xq_ptr + rows.to(tl.int64)[:, None] * K + split_col(ks)[None, :], xq, mask=msk)
             if ZERO_ACC:
                 tl.store(acc_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], tl.zeros((QR, QK), tl.float32),
                          mask=msk)
+            raw = nxt
 
 
 @_jit(dns=("M", "stride_xm", "x_fp16"), dnsa=("x_ptr",))
