@@ -238,6 +238,21 @@ def test_interp_routing_sizes_match_twin(E, top_k, offset, M, pad, skew, rt, nbt
 
 
 @inner
+@pytest.mark.parametrize("first_ours", [False, True])
+def test_interp_placing_programs_with_no_slot_of_ours(first_ours):
+    # several routing tiles (RT = 16) whose slots are all other EP ranks' or padding: the placing
+    # programs place nothing and still lower the flag; with ``first_ours`` only the first tile has
+    # slots of ours, so every other placer has none
+    layer = make_layer(E=8, K=64, N=32, top_k=4, offset=8)
+    for seed in range(2):
+        x, ids, w = make_batch(layer, 19, seed=seed, padding_rows=3)
+        ids[ids >= 0] = torch.where(ids[ids >= 0] % 2 == 0, 3, 17).to(ids.dtype)  # below and above our experts
+        if first_ours:
+            ids[:4] = (8 + torch.arange(16).view(4, 4) % 8).to(ids.dtype)
+        _check_routing(layer, x, ids, w, 16, rt=16, nbt=16)
+
+
+@inner
 def test_interp_gemv_is_chosen_for_small_counts():
     layer = make_layer(E=8, K=64, N=32, top_k=4)
     h = layer.prepare(backend="triton", max_tokens=64)
