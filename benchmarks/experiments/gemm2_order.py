@@ -13,7 +13,7 @@ expert's weights are read once a round instead of once.
 
 A full call fills the arena (block table, rows, activations); the script then permutes the block
 table, each block's rows and its activation rows in place and times GEMM2 alone in each order,
-alternating (CUDA-graph replay over 4 layers, us per layer), and checks that GEMM2 and finalize give
+alternating (CUDA-graph replay over 3 layers, us per layer), and checks that GEMM2 and finalize give
 the same output in both orders (relative L2; the atomics add in another order). Not a plan: the
 prologue would have to write the order.
 """
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import b12x_ops  # noqa: E402
 from b12x_ops.backends.triton import _launch  # noqa: E402
-from bench_moe import GEOMETRIES, experiment_handles, graph_time, layer_batches, rel_l2  # noqa: E402
+from bench_moe import GEOMETRIES, experiment_points, graph_time, rel_l2  # noqa: E402
 
 
 def round_robin(blk_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -57,47 +57,42 @@ def permute(a: dict, perm: torch.Tensor, bm: int, n: int) -> None:
 
 
 def main():
-    names, sizes = sys.argv[1].split(","), [int(m) for m in sys.argv[2].split(",")]
-    for name in names:
+    for name, hs, M, (xs, idss, wss, outs) in experiment_points(sys.argv[1].split(","),
+                                                               [int(m) for m in sys.argv[2].split(",")]):
         geo = GEOMETRIES[name]
-        hs = experiment_handles(name, max(sizes), layers=4)
         gp = hs[0]._state.plans
-        for M in sizes:
-            xs, idss, wss, outs = layer_batches(M, geo["E"], geo["K"], geo["top_k"], len(hs))
-            _, cfg = gp.plan_for(M)
-            rn = gp.runner_for(M)
-            b12x_ops.moe_w4a8_out(xs[0], idss[0], wss[0], hs[0], outs[0])  # (fills the arena)
-            a = gp.arena.buffers
-            nb = rn.blocks(M * geo["top_k"])
-            perm = round_robin(a["blk_expert"][:nb], geo["E"])
-            inv = torch.argsort(perm)
-            used = int((a["blk_expert"][:nb] >= 0).sum())
+        _, cfg = gp.plan_for(M)
+        rn = gp.runner_for(M)
+        b12x_ops.moe_w4a8_out(xs[0], idss[0], wss[0], hs[0], outs[0])  # (fills the arena)
+        a = gp.arena.buffers
+        nb = rn.blocks(M * geo["top_k"])
+        perm = round_robin(a["blk_expert"][:nb], geo["E"])
+        inv = torch.argsort(perm)
+        used = int((a["blk_expert"][:nb] >= 0).sum())
 
-            def out_now():
-                if cfg.atomic:
-                    a["acc"][: M * geo["K"]].zero_()
-                _launch(hs[0]._state, rn, xs[0], idss[0], wss[0], outs[0], ("gemm2", "finalize"))
-                return outs[0].clone()
+        def out_now():
+            if cfg.atomic:
+                a["acc"][: M * geo["K"]].zero_()
+            _launch(hs[0]._state, rn, xs[0], idss[0], wss[0], outs[0], ("gemm2", "finalize"))
+            return outs[0].clone()
 
-            def gemm2_us():
-                calls = [lambda h=h, x=x, i=i, w=w, o=o: _launch(h._state, rn, x, i, w, o, ("gemm2",))
-                         for h, x, i, w, o in zip(hs, xs, idss, wss, outs)]
-                return graph_time(calls, 10) * 1e6
+        def gemm2_us():
+            calls = [lambda h=h, x=x, i=i, w=w, o=o: _launch(h._state, rn, x, i, w, o, ("gemm2",))
+                     for h, x, i, w, o in zip(hs, xs, idss, wss, outs)]
+            return graph_time(calls, 10) * 1e6
 
-            want = out_now()
-            times = {"expert-major": [], "round-robin": []}
-            for _ in range(2):
-                times["expert-major"].append(gemm2_us())
-                permute(a, perm, cfg.bm, geo["N"])
-                times["round-robin"].append(gemm2_us())
-                got = out_now()
-                permute(a, inv, cfg.bm, geo["N"])
-            print(f"{name} M={M} bm={cfg.bm} blocks={used} atomic={cfg.atomic} gluon2={cfg.gluon2}: GEMM2 alone, "
-                  f"us/layer: expert-major {', '.join(f'{t:.1f}' for t in times['expert-major'])}; round-robin "
-                  f"{', '.join(f'{t:.1f}' for t in times['round-robin'])}; rel L2 of the output between the orders "
-                  f"{rel_l2(got, want):.1e}", flush=True)
-        del hs, gp
-        torch.cuda.empty_cache()
+        want = out_now()
+        times = {"expert-major": [], "round-robin": []}
+        for _ in range(2):
+            times["expert-major"].append(gemm2_us())
+            permute(a, perm, cfg.bm, geo["N"])
+            times["round-robin"].append(gemm2_us())
+            got = out_now()
+            permute(a, inv, cfg.bm, geo["N"])
+        print(f"{name} M={M} bm={cfg.bm} blocks={used} atomic={cfg.atomic} gluon2={cfg.gluon2}: GEMM2 alone, "
+              f"us/layer: expert-major {', '.join(f'{t:.1f}' for t in times['expert-major'])}; round-robin "
+              f"{', '.join(f'{t:.1f}' for t in times['round-robin'])}; rel L2 of the output between the orders "
+              f"{rel_l2(got, want):.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -250,6 +250,8 @@ CNT_ROWS = tl.constexpr(64)
 def route_cnt_words(e_pad: int) -> int:
     """Words of the prologue's ``cnt`` buffer for ``E_PAD`` experts (see "Routing")."""
     return CNT_ROWS.value + 2 * e_pad
+
+
 @triton.jit
 def _route_tile(ids_ptr, wts_in_ptr, lid_ptr, wts_ptr, t, S, stride_im, stride_ik, stride_wm, stride_wk,
                 expert_offset, w_kind, E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, RT: tl.constexpr):
