@@ -272,6 +272,31 @@ def half_tiles_status() -> str:
     return "off (B12X_OPS_TRITON_HALF=0)"
 
 
+# GEMM2's program order. Block-major by default (a block's output tiles run together and share its
+# activation rows in L2). At large M the fp32 accumulator (M x K x 4 bytes: 67 MB at Qwen3's 8192
+# tokens, 168 MB at DSv4's) does not fit in the L2, and every expert's blocks add into rows spread
+# over all the tokens, so the top-k atomics keep missing it: Nsight Compute read 878 MB (Qwen3) and
+# 2.39 GB (DSv4) from DRAM in GEMM2 at 8192 tokens, against about 340 MB and 830 MB of weights,
+# activations and one pass over the accumulator (``benchmarks/results/ncu_gemm2_8192.txt``).
+# B12X_OPS_TRITON_GEMM2_GROUP=T (opt-in, not yet timed) orders the programs by groups of T output
+# tiles (``kernels._block_tile_grouped``): a group's atomics stay within its T tiles' columns, and
+# each block's activation rows are then read once a group, where block-major reads them once.
+def gemm2_group() -> int:
+    """GEMM2's output tiles a group (``kernels._block_tile_grouped``; 0: block-major)."""
+    v = os.environ.get("B12X_OPS_TRITON_GEMM2_GROUP", "0")
+    if not v.isdigit():
+        raise ValueError(f"B12X_OPS_TRITON_GEMM2_GROUP must be a count of output tiles (0: block-major), got {v!r}")
+    return int(v)
+
+
+def gemm2_group_status() -> str:
+    """GEMM2's program order (``b12x-ops info``)."""
+    t = gemm2_group()
+    if t:
+        return f"in groups of {t} output tiles, every block's tiles of a group before the next group (B12X_OPS_TRITON_GEMM2_GROUP={t})"
+    return "block-major (B12X_OPS_TRITON_GEMM2_GROUP=T orders it in groups of T output tiles; not yet timed)"
+
+
 # The wide tiles of 16-row blocks (one warpgroup a program, ``results/sweep_gemm2_wide.md``):
 # - GEMM2 in 128 weight rows a program instead of 64 (two m64 MMAs a step on the same activations),
 #   everywhere. Its loop spends 3.3 SASS instructions a weight against 3.9 (417 for 128 weights a
@@ -827,9 +852,9 @@ class GeometryPlans:
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
-            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic, gemm2_group())
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic, gemm2_group())
         else:
             key = (kind, cfg.atomic)
         blocked_gemm = kind in ("gemm1", "gemm2") and not cfg.gemv
@@ -893,7 +918,7 @@ class GeometryPlans:
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
+                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half, TG=gemm2_group())
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
                 ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
