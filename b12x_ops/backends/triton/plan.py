@@ -1034,9 +1034,10 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
                       g.has_global_scales, g.deterministic, dev, triton.__version__, 23, gemv, ptx, gluon,
-                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
-    # (the version: 23 the prologue's placement spread over placing programs (whole calls' timings
-    # change); 22 long reductions' block sizes by the regimes, so their candidates too; 21 the
+                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0, gemm2_group()])
+    # (the last entry: GEMM2's program order, which the timings depend on. The version: 23 the
+    # prologue's placement spread over placing programs (whole calls' timings change); 22 long
+    # reductions' block sizes by the regimes, so their candidates too; 21 the
     # register cap of the 64-row Gluon GEMMs; 20 the decode of 9 integer
     # instructions a word (timings change); 19 GEMM1's 256-row tile of 16-row blocks among the
     # candidates; 18 GEMM2's 128-row tile of 16-row blocks among them; 17 the mma.sync GEMV's gemv2
