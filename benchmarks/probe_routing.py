@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import types
 
 import torch
 
@@ -59,8 +58,7 @@ def launchers(g, gp, cfg, rn, x, ids, w):
     tail = (M, si0, si1, sw0, sw1, x.stride(0), 0, nb, w_kind, 0)
     new_args = head + (a["route_cnt"], a["route_key"], a["route_off"]) + tail
     old_args = head + (a["cursor"],) + tail
-    route = -(-(M * g.top_k) // rn.route_slots)
-    route += route if route > 1 else 0  # (the placing programs)
+    route = K_.prologue_programs(M, g.top_k, rn.route_slots, rn.prologue_rows, 0)  # (routing and placing programs)
     old_c = dict(K=g.hidden_size, E=E, E_PAD=gp.e_pad, TOPK=g.top_k, BM=cfg.bm, CH=OLD["CH"], BCH=OLD["BCH"],
                  QR=OLD["QR"], QK=OLD["QK"], ZERO_ACC=cfg.atomic)
 

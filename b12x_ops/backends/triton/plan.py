@@ -835,6 +835,7 @@ class GeometryPlans:
 
     def launch(self, kind: str, cfg: Config, tokens: int | None = None) -> Launch:
         g = self.geometry
+        tg = gemm2_group() if kind == "gemm2" and not cfg.gemv else 0  # (the blocked GEMM2's program order)
         if kind == "prologue" and cfg.gemv:
             key = ("xquant",)
         elif kind == "prologue":
@@ -852,9 +853,9 @@ class GeometryPlans:
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
-            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic, gemm2_group())
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic, tg)
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic, gemm2_group())
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic, tg)
         else:
             key = (kind, cfg.atomic)
         blocked_gemm = kind in ("gemm1", "gemm2") and not cfg.gemv
@@ -918,7 +919,7 @@ class GeometryPlans:
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half, TG=gemm2_group())
+                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half, TG=tg)
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
                 ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
