@@ -26,7 +26,13 @@ express:
 * **warpgroups of one tile.** A program's ``R / 16`` warps each take a 16-row group of the
   operand's ``R`` rows (a warpgroup 64 rows). In GEMM1 the first half of the warpgroups holds the
   up rows and the rest the gate rows; both read the same activations, and the epilogue meets up
-  and gate in shared memory.
+  and gate in shared memory;
+* **wide writes out of the epilogues.** In the accumulator's layout a thread's outputs are 8 rows
+  apart, so written from there every element is its own 2-byte store (GEMM1) or 4-byte atomic
+  (GEMM2). GEMM1 puts each 32 rows into shared memory in the split layout's order, so a thread's
+  elements are adjacent in ``a`` (16-byte stores); GEMM2 converts its tile to 4 adjacent outputs a
+  thread (16-byte atomics, ``_out_layout``). H200: 5-7 % off the whole op at 2048-8192 tokens
+  (``benchmarks/results/epilogue_writes.md``).
 
 The layouts are the ones ``tl.dot`` is compiled to: the loaded ``[groups, chunks, 32, 16]`` code tile
 (a warp a group) becomes the wgmma's first operand after ``mxtl.repacked_to_operand``'s reshape and
@@ -55,7 +61,7 @@ try:
 except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON = False
 
-from .kernels import _block_tile, _block_tile_grouped, _swiglu, split_col
+from .kernels import _block_tile, _block_tile_grouped, _swiglu
 from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON:
@@ -79,6 +85,23 @@ if HAS_GLUON:
                     s5_l=gl.SliceLayout(4, gl.SliceLayout(6, p7)),
                     x_l=gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0]),
                     mma_h=mma_h, a_l_h=gl.DotOperandLayout(operand_index=0, parent=mma_h, k_width=2))
+
+    @gluon.jit
+    def _split_order(acc, R: gl.constexpr, BM: gl.constexpr):
+        """The ``[R, BM]`` tile with each 32 rows in the split layout's order (``kernels.split_col``:
+        the even rows, then the odd ones); a re-indexing of the registers, no data moves."""
+        t = gl.reshape(acc, (R // 32, 16, 2, BM))
+        return gl.reshape(gl.permute(t, (0, 2, 1, 3)), (R, BM))
+
+    @gluon.constexpr_function
+    def _out_layout(rows, bm, nw):
+        """GEMM2's ``[rows, bm]`` output tile for its global writes: 4 adjacent outputs a thread, a warp's
+        32 lanes along the outputs (128 of one token), the warps along the tokens (as many as there
+        are tokens, the rest along the outputs). No element is held twice (``rows >= 128 * nw / bm``
+        for the Gluon GEMM2's tiles), so no atomic is issued twice."""
+        wt = min(nw, bm)
+        assert rows >= 128 * (nw // wt), (rows, bm, nw)
+        return gl.BlockedLayout([4, 1], [32, 1], [nw // wt, wt], [0, 1])
 
     @gluon.jit
     def _to_operand(t, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr):
@@ -336,20 +359,25 @@ if HAS_GLUON:
         EPT: gl.constexpr = BM // NW  # (BM // NW divides 32)
         ep_l: gl.constexpr = gl.BlockedLayout([EPT, 1], [32 // EPT, EPT], [1, NW], [0, 1])
         acc_s = gl.allocate_shared_memory(gl.float32, [R, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        acc_s.store(acc)
+        # (each 32 rows in the split layout's order, so that a thread's EPT elements land side by side in
+        # a: one store of them, not EPT of 2 bytes; SwiGLU, the block maximum and the quant-dequant
+        # do not depend on the order)
+        acc_s.store(_split_order(acc, R, BM))
         _barrier()
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, ep_l))
         rvalid = offs_m < nrow
         rows = (pid_m * BLK + offs_m).to(gl.int64)
+        offs_c = gl.arange(0, 32, layout=gl.SliceLayout(1, ep_l))  # the split layout's column in a block
         for jn in gl.static_range(BN // 32):
             # (the tl.dot kernel's own helpers, compiled here in Gluon: the same arithmetic)
             act = _swiglu(acc_s.slice(32 * jn, 32).load(ep_l), acc_s.slice(BN + 32 * jn, 32).load(ep_l), gs_ptr, e,
                           limit, HAS_GS, HAS_LIMIT)
             pow2, inv = mxfp8_block_scale(gl.max(gl.abs(act), axis=0))
             q = mxfp8_apply(act, pow2[None, :], inv[None, :])
-            offs_n = pid_n * BN + 32 * jn + gl.arange(0, 32, layout=gl.SliceLayout(1, ep_l))
-            gl.store(a_ptr + rows[None, :] * N + split_col(offs_n)[:, None], q,
-                     mask=rvalid[None, :] & (offs_n < N)[:, None])
+            # (N is a multiple of 32, MX blocks, so a 32-block is in or out whole: the mask by split
+            # column is the mask by element)
+            offs_s = pid_n * BN + 32 * jn + offs_c
+            gl.store(a_ptr + rows[None, :] * N + offs_s[:, None], q, mask=rvalid[None, :] & (offs_s < N)[:, None])
 
     @gluon.jit(do_not_specialize=("nblocks",))
     def gemm2_gluon_kernel(
@@ -409,10 +437,14 @@ if HAS_GLUON:
         """GEMM2's epilogue (``kernels._reduce_rows``) in the accumulator's layout: the ``[BN, BM]`` tile of
         the block's rows from ``row0`` (``nrow`` real) times the global scale and the router weights,
         added into the fp32 ``[M, K]`` accumulator (ATOMIC) or stored in the slots' rows."""
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        # (from the accumulator's layout, where a thread's outputs are 8 apart, to 4 adjacent outputs a
+        # thread: one 16-byte atomic or store where there were four of 4 bytes)
+        out_l: gl.constexpr = _out_layout(BN, BM, gl.num_warps())
+        acc = gl.convert_layout(acc, out_l)
+        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, out_l))
         rvalid = offs_m < nrow
         slot = gl.load(sorted_ptr + row0 + offs_m, mask=rvalid, other=0)
-        offs_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        offs_o = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
         if HAS_GS:
             acc = acc * gl.load(gs_ptr + e)
         acc = acc * gl.load(wts_ptr + slot, mask=rvalid, other=0.0)[None, :]
