@@ -89,11 +89,6 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
     assert _field(info, half).group(1).startswith("on: in plans of 64-row blocks or more, a block holding at most half")
     monkeypatch.setenv("B12X_OPS_TRITON_HALF", "0")
     assert _field(_cli("info", "--device", "cpu").stdout, half).group(1) == "off (B12X_OPS_TRITON_HALF=0)"
-    # GEMM2's program order: block-major by default, in groups of output tiles when asked
-    order = r"^triton GEMM2 program order: (.*)$"
-    assert _field(info, order).group(1).startswith("block-major (B12X_OPS_TRITON_GEMM2_GROUP=T")
-    monkeypatch.setenv("B12X_OPS_TRITON_GEMM2_GROUP", "4")
-    assert _field(_cli("info", "--device", "cpu").stdout, order).group(1).startswith("in groups of 4 output tiles")
 
 
 @pytest.mark.parametrize("backend", ["b12x", "triton"])

@@ -542,42 +542,6 @@ def test_interp_half_tiles_write_what_full_tiles_write(bm, monkeypatch):
 
 
 @inner
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_interp_gemm2_group_order_writes_every_tile_once(deterministic, monkeypatch):
-    """GEMM2's programs in groups of output tiles (``B12X_OPS_TRITON_GEMM2_GROUP``, the last group
-    short where the tile count is not a multiple) write what block-major programs write: per-slot rows
-    bit for bit (every row first filled with NaN, so a tile no program wrote shows), and the same
-    output up to the fp32 atomics' order."""
-    from b12x_ops.backends.triton import _launch_all
-    layer = make_layer(E=4, K=192, N=32, top_k=2, seed=3, limit=7.0)
-    M = 37
-    x, ids, w = make_batch(layer, M, seed=4, padding_rows=2)
-    h = layer.prepare(backend="triton", max_tokens=64, gemv=False, deterministic=deterministic)
-    st, gp = h._state, h._state.plans
-    cfg = dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=16, bn2=64, atomic=not deterministic)
-    written = {}
-    for tg in (0, 2, 3, 1):
-        monkeypatch.setenv("B12X_OPS_TRITON_GEMM2_GROUP", str(tg))
-        gp.reserve(M, cfg)
-        rn = gp.runner(cfg)
-        assert rn.gemm2.constexprs["TG"] == tg
-        dst = gp.arena.buffers["slots" if deterministic else "acc"]
-        dst.fill_(float("nan"))
-        out = torch.empty_like(x)
-        _launch_all(st, cfg, x, ids, w, out)
-        written[tg] = (out.clone(), dst[: M * layer.top_k * layer.K if deterministic else M * layer.K].clone())
-    for tg in (2, 3, 1):
-        if deterministic:
-            assert torch.equal(written[tg][1].view(torch.uint8), written[0][1].view(torch.uint8)), tg
-            assert torch.equal(written[tg][0], written[0][0]), tg
-        else:
-            assert not written[tg][1].isnan().any() and rel_l2(written[tg][0], written[0][0]) <= 1e-5, tg
-    monkeypatch.setenv("B12X_OPS_TRITON_GEMM2_GROUP", "two")
-    with pytest.raises(ValueError, match="B12X_OPS_TRITON_GEMM2_GROUP"):
-        P.gemm2_group()
-
-
-@inner
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_interp_gemv_and_blocked_paths_agree(deterministic):
     # the GEMV path (which rounds its own fp32 sums) and the blocked path's fp32 sums agree to a

@@ -61,7 +61,7 @@ try:
 except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON = False
 
-from .kernels import _block_tile, _block_tile_grouped, _swiglu
+from .kernels import _block_tile, _swiglu
 from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON:
@@ -386,13 +386,12 @@ if HAS_GLUON:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
         mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
-        x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr, TG: gl.constexpr = 0,
+        x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
     ):
         """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 warps (BN = 128
         or 256: a warpgroup 64 of the W2 rows), an even STAGES >= 4; its layouts from ``layouts(BN, BM)``.
-        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2. ``TG``: the programs' order
-        (``kernels._block_tile_grouped``)."""
-        pid_m, pid_n, e = _block_tile_grouped(blk_expert_ptr, nblocks, K, BN, TG)
+        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
+        pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
         if e < 0:
             return
         nrow = gl.load(blk_rows_ptr + pid_m)

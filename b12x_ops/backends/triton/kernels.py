@@ -85,29 +85,6 @@ def _block_tile(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _block_tile_grouped(blk_expert_ptr, nblocks, OUT: tl.constexpr, BN: tl.constexpr, TG: tl.constexpr):
-    """``_block_tile`` with the output tiles in groups of ``TG`` (0, or at least the tile count: one
-    group, block-major): every block's tiles of group 0 first (block-major within the group), then
-    group 1's, and so on, over ``nblocks`` blocks. GEMM2's atomics of a group then stay within its
-    ``TG * BN`` columns of the accumulator, which at large M fit in the L2 where all of them do not;
-    each block's activation rows are read once a group (``plan.gemm2_group``)."""
-    NT: tl.constexpr = (OUT + BN - 1) // BN
-    if TG == 0 or TG >= NT:
-        pid_m, pid_n, e = _block_tile(blk_expert_ptr, OUT, BN)
-    else:
-        G: tl.constexpr = (NT + TG - 1) // TG
-        LAST: tl.constexpr = NT - (G - 1) * TG  # the last group's tiles
-        pid = tl.program_id(0)
-        g = pid // (nblocks * TG)
-        w = tl.where(g < G - 1, TG, LAST)
-        r = pid - g * (nblocks * TG)
-        pid_m = r // w
-        pid_n = g * TG + r % w
-        e = tl.load(blk_expert_ptr + pid_m)
-    return pid_m, pid_n, e
-
-
-@triton.jit
 def _block_slots(pid_m, blk_rows_ptr, sorted_ptr, BM: tl.constexpr, BMX: tl.constexpr):
     """``(rows, valid, slot)`` of the first ``BMX`` rows of expert block ``pid_m`` (of ``BM``): their
     int64 row index in the block-ordered buffers, whether each holds a slot, and that slot."""
@@ -619,15 +596,13 @@ def gemm2_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, HAS_GS: tl.constexpr, ATOMIC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PTX: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False, HALF: tl.constexpr = False,
-    TG: tl.constexpr = 0,
 ):
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
     accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic).
-    ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2. ``TG``: the programs' order
-    (``_block_tile_grouped``)."""
+    ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
     pdl_start(PDL)
-    pid_m, pid_n, e = _block_tile_grouped(blk_expert_ptr, nblocks, K, BN, TG)
+    pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
     if HALF:

@@ -272,31 +272,6 @@ def half_tiles_status() -> str:
     return "off (B12X_OPS_TRITON_HALF=0)"
 
 
-# GEMM2's program order. Block-major by default (a block's output tiles run together and share its
-# activation rows in L2). At large M the fp32 accumulator (M x K x 4 bytes: 67 MB at Qwen3's 8192
-# tokens, 168 MB at DSv4's) does not fit in the L2, and every expert's blocks add into rows spread
-# over all the tokens, so the top-k atomics keep missing it: Nsight Compute read 878 MB (Qwen3) and
-# 2.39 GB (DSv4) from DRAM in GEMM2 at 8192 tokens, against about 340 MB and 830 MB of weights,
-# activations and one pass over the accumulator (``benchmarks/results/ncu_gemm2_8192.txt``).
-# B12X_OPS_TRITON_GEMM2_GROUP=T (opt-in, not yet timed) orders the programs by groups of T output
-# tiles (``kernels._block_tile_grouped``): a group's atomics stay within its T tiles' columns, and
-# each block's activation rows are then read once a group, where block-major reads them once.
-def gemm2_group() -> int:
-    """GEMM2's output tiles a group (``kernels._block_tile_grouped``; 0: block-major)."""
-    v = os.environ.get("B12X_OPS_TRITON_GEMM2_GROUP", "0")
-    if not v.isdigit():
-        raise ValueError(f"B12X_OPS_TRITON_GEMM2_GROUP must be a count of output tiles (0: block-major), got {v!r}")
-    return int(v)
-
-
-def gemm2_group_status() -> str:
-    """GEMM2's program order (``b12x-ops info``)."""
-    t = gemm2_group()
-    if t:
-        return f"in groups of {t} output tiles, every block's tiles of a group before the next group (B12X_OPS_TRITON_GEMM2_GROUP={t})"
-    return "block-major (B12X_OPS_TRITON_GEMM2_GROUP=T orders it in groups of T output tiles; not yet timed)"
-
-
 # The wide tiles of 16-row blocks (one warpgroup a program, ``results/sweep_gemm2_wide.md``):
 # - GEMM2 in 128 weight rows a program instead of 64 (two m64 MMAs a step on the same activations),
 #   everywhere. Its loop spends 3.3 SASS instructions a weight against 3.9 (417 for 128 weights a
@@ -835,7 +810,6 @@ class GeometryPlans:
 
     def launch(self, kind: str, cfg: Config, tokens: int | None = None) -> Launch:
         g = self.geometry
-        tg = gemm2_group() if kind == "gemm2" and not cfg.gemv else 0  # (the blocked GEMM2's program order)
         if kind == "prologue" and cfg.gemv:
             key = ("xquant",)
         elif kind == "prologue":
@@ -853,9 +827,9 @@ class GeometryPlans:
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
-            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic, tg)
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
         elif kind == "gemm2":
-            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic, tg)
+            key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
         else:
             key = (kind, cfg.atomic)
         blocked_gemm = kind in ("gemm1", "gemm2") and not cfg.gemv
@@ -919,7 +893,7 @@ class GeometryPlans:
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
-                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half, TG=tg)
+                      BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
                 ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
@@ -1034,11 +1008,11 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 23, gemv, ptx, gluon,
-                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0, gemm2_group()])
-    # (the last entry: GEMM2's program order, which the timings depend on. The version: 23 the
-    # prologue's placement spread over placing programs (whole calls' timings change); 22 long
-    # reductions' block sizes by the regimes, so their candidates too; 21 the
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 24, gemv, ptx, gluon,
+                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
+    # (the version: 24 the Gluon GEMMs' epilogues write 16 bytes a store or atomic (whole calls'
+    # timings change); 23 the prologue's placement spread over placing programs (whole calls' timings
+    # change); 22 long reductions' block sizes by the regimes, so their candidates too; 21 the
     # register cap of the 64-row Gluon GEMMs; 20 the decode of 9 integer
     # instructions a word (timings change); 19 GEMM1's 256-row tile of 16-row blocks among the
     # candidates; 18 GEMM2's 128-row tile of 16-row blocks among them; 17 the mma.sync GEMV's gemv2
