@@ -114,8 +114,7 @@ def test_gemv_splits_are_valid_for_any_layer(E, K, N, top_k, tokens):
 def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch):
     """Where the Gluon GEMMs are on (by default on sm_90), a plan of at least ``GLUON_MIN_BM``-row
     expert blocks gets them in the forms measured for its block size (``gluon_forms``: GEMM1 in 64
-    columns below 128-row blocks, 128 at them; GEMM2 in 128 rows below, in 256 at 128-row blocks
-    only where its reduction is long); smaller blocks and the GEMV path keep the tl.dot kernels;
+    columns below 128-row blocks, 128 at them; GEMM2 in 128 rows below, in 256 at them); smaller blocks and the GEMV path keep the tl.dot kernels;
     the rest of the config is unchanged; the 8-warp launches of 64-row blocks are capped at
     ``GLUON_BM64_MAXNREG`` registers, no other; turned off, and on a CPU geometry, it is off
     (``gluon_status`` says why)."""
@@ -141,12 +140,8 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
         assert got.gluon
         want1 = (64, 64, 4) if cfg.bm < 128 else (128, 64, 4)
         assert (got.bn1, got.bk1, got.stages1) == want1
-        if cfg.bm < 128:
-            assert got.gluon2 and (got.bn2, got.bk2, got.stages2, got.warps2) == (128, 64, 4, 8)
-        elif g.intermediate_size >= P.GLUON2_MIN_N:
-            assert got.gluon2 and (got.bn2, got.bk2, got.stages2, got.warps2) == (256, 64, 4, 16)
-        else:
-            assert not got.gluon2 and got.tiles2() == cfg.tiles2()
+        want2 = (128, 64, 4, 8) if cfg.bm < 128 else (256, 64, 4, 16)
+        assert got.gluon2 and (got.bn2, got.bk2, got.stages2, got.warps2) == want2
         assert gp.with_gluon(got) == got  # (a config already in Gluon is kept as it is)
         # the launches' register cap: the 8-warp forms of 64-row blocks only (three programs an SM)
         _, l1, l2, _ = gp.stages(got, tokens)
@@ -155,9 +150,8 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
             assert l2.options.get("maxnreg") == (P.GLUON_BM64_MAXNREG if cfg.bm == 64 else None), (tokens, l2.options)
     assert 128 in seen  # (the largest batches always run 128-row blocks)
     for bm in (16, 32, 64, 128):  # (every block size: what gluon_forms picks, or tl.dot below GLUON_MIN_BM)
-        f1, f2 = P.gluon_forms(bm, g.intermediate_size)
-        assert (f1 is None) == (bm < P.GLUON_MIN_BM)
-        assert (f2 is None) == (bm < P.GLUON_MIN_BM or (bm >= 128 and g.intermediate_size < P.GLUON2_MIN_N))
+        f1, f2 = P.gluon_forms(bm)
+        assert (f1 is None) == (f2 is None) == (bm < P.GLUON_MIN_BM)
     gp.gluon = False
     assert gp.with_gluon(P.default_config(8192, g)) == P.default_config(8192, g)
 

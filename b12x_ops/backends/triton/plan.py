@@ -184,8 +184,10 @@ def pdl_status(device) -> tuple[bool, str]:
 # alone against tl.dot (``benchmarks/results/gluon_gemms.md``, sections 4 and 5):
 # - 128-row blocks: GEMM1 in 128 columns of up and of gate a program (16 warps) at M = 8192: gpt-oss
 #   3879 -> 2803 us, Qwen3 1559 -> 972, the DeepSeek rank 2025 -> 1764; GEMM2 in 256 W2 rows a
-#   program (16 warps) only where the reduction is long (gpt-oss, N = 2880: 1702 -> 1481 us; slower on
-#   the N = 576-768 reductions of Qwen3 and DSv4).
+#   program (16 warps): gpt-oss (N = 2880) 1702 -> 1481 us. On the short reductions of Qwen3 and DSv4
+#   (N = 768, 576) it was slower until its epilogue's atomics became 16-byte ones (b290083); since,
+#   whole op at 2048 and 8192 tokens, Qwen3 -4.7 and -2.4 %, DSv4 at 8192 -3.4 %
+#   (``benchmarks/results/epilogue_writes.md``), so every 128-row plan takes it.
 # - 32- and 64-row blocks: GEMM1 in 64 columns a program (8 warps), GEMM2 in 128 rows (8 warps): at
 #   M = 2048 (64-row blocks) gpt-oss GEMM1 1137 -> 1002 us, GEMM2 -> 498 (whole op 1809 -> 1684 with
 #   GEMM2 alone), the DeepSeek rank GEMM1 684 -> 632 (the 128-column form 775: slower); at M = 512
@@ -193,10 +195,9 @@ def pdl_status(device) -> tuple[bool, str]:
 # - 16-row blocks stay tl.dot: the Gluon forms were slower there on gpt-oss and Qwen3.
 GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=16)  # (128-row blocks; warps: the launch's, bn1 / 8)
 GLUON_GEMM1_SMALL = dict(bn1=64, bk1=64, stages1=4, warps1=8)  # (32- and 64-row blocks)
-GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)  # (128-row blocks, long reductions)
+GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)  # (128-row blocks)
 GLUON_GEMM2_SMALL = dict(bn2=128, bk2=64, stages2=4, warps2=8)  # (32- and 64-row blocks)
 GLUON_MIN_BM = 32
-GLUON2_MIN_N = 2048  # (the reduction of GEMM2, the intermediate size, from which 128-row blocks take it)
 # What the tuner times on such a GPU (``candidate_configs(..., gluon=True)``) at blocks of at least
 # GLUON_TUNE_MIN_BM rows (the block sizes the GPU test covers): both Gluon forms of each GEMM at the
 # plan's own block size, beside the tl.dot tiles.
@@ -221,13 +222,13 @@ def gluon_maxnreg(bm: int, warps: int) -> int | None:
     return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 else None
 
 
-def gluon_forms(bm: int, intermediate_size: int) -> tuple[dict | None, dict | None]:
+def gluon_forms(bm: int) -> tuple[dict | None, dict | None]:
     """The Gluon GEMM1 and GEMM2 forms an untuned plan of ``bm``-row blocks takes (None: tl.dot)."""
     if bm < GLUON_MIN_BM:
         return None, None
     if bm < 128:
         return GLUON_GEMM1_SMALL, GLUON_GEMM2_SMALL
-    return GLUON_GEMM1, GLUON_GEMM2 if intermediate_size >= GLUON2_MIN_N else None
+    return GLUON_GEMM1, GLUON_GEMM2
 
 
 def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
@@ -246,8 +247,7 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
     return True, (f"on: the GEMMs of blocked calls with expert blocks of {GLUON_MIN_BM} rows or more run in Gluon, "
-                  "their MMAs under the next step's decode (GEMM2 at 128-row blocks where the reduction is long; "
-                  "B12X_OPS_TRITON_GLUON=0 turns it off)")
+                  "their MMAs under the next step's decode (B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
 # The GEMMs (tl.dot and Gluon) of blocks of at least HALF_MIN_BM rows run a block of at most half
@@ -298,7 +298,7 @@ def _stages(bk: int, stages: int) -> int:
 
 
 # Every geometry takes the block size ``_REGIMES`` gives its rows an expert. (Long GEMM2 reductions,
-# N >= GLUON2_MIN_N, used to take 128-row blocks from 48 rows an expert: H200, gpt-oss at 2048
+# N >= 2048, used to take 128-row blocks from 48 rows an expert: H200, gpt-oss at 2048
 # tokens, 64 rows an expert, 1410 against 1467 us while the 64-row Gluon forms were uncapped,
 # results/gluon_regimes.md. Under their register cap, GLUON_BM64_MAXNREG, 64-row blocks are faster
 # there, 1329.7 against 1389.6 us, the same file's last section.)
@@ -981,7 +981,7 @@ class GeometryPlans:
             return cfg if form is None else mma_config(cfg, self.geometry, *form)
         if not self.gluon or cfg.gluon or cfg.gluon2:
             return cfg
-        f1, f2 = gluon_forms(cfg.bm, self.geometry.intermediate_size)
+        f1, f2 = gluon_forms(cfg.bm)
         if f1 is not None:
             cfg = dataclasses.replace(cfg, gluon=True, **f1)
         if f2 is not None:
