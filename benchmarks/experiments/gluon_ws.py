@@ -108,7 +108,7 @@ if GK.HAS_GLUON:
             (_producer, (ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, nblocks, K, N, BM, BN, BK, STAGES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])[0]
         _gemm2_epilogue(acc, pid_m * BM, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
-                        BM, BN, mma)
+                        BM, BN)
 
     @gluon.jit
     def _producer(ring, full, empty, a_ptr, w_ptr, pid_m, pid_n, e, nrow, nblocks, K: gl.constexpr, N: gl.constexpr,

@@ -427,15 +427,15 @@ if HAS_GLUON:
         acc = _mainloop(w_g, (pid_n * BN + 16 * g_c) < K, s_row, r_s < K, x_rows, offs_r < nrow, N, BN, BM, BK,
                         STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
         _gemm2_epilogue(acc, pid_m * BLK, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
-                        BM, BN, mma)
+                        BM, BN)
 
     @gluon.jit
     def _gemm2_epilogue(acc, row0, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr,
                         TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr, BM: gl.constexpr,
-                        BN: gl.constexpr, mma: gl.constexpr):
-        """GEMM2's epilogue (``kernels._reduce_rows``) in the accumulator's layout: the ``[BN, BM]`` tile of
-        the block's rows from ``row0`` (``nrow`` real) times the global scale and the router weights,
-        added into the fp32 ``[M, K]`` accumulator (ATOMIC) or stored in the slots' rows."""
+                        BN: gl.constexpr):
+        """GEMM2's epilogue (``kernels._reduce_rows``): the ``[BN, BM]`` tile (any layout) of the block's rows
+        from ``row0`` (``nrow`` real) times the global scale and the router weights, added into the fp32
+        ``[M, K]`` accumulator (ATOMIC) or stored in the slots' rows, 16 bytes a thread (``_out_layout``)."""
         # (from the accumulator's layout, where a thread's outputs are 8 apart, to 4 adjacent outputs a
         # thread: one 16-byte atomic or store where there were four of 4 bytes)
         out_l: gl.constexpr = _out_layout(BN, BM, gl.num_warps())
