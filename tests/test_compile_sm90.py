@@ -203,7 +203,7 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     main loop (the compiler's barrier analysis adding none between a step's copies and its reads;
     triton 3.9's adds one a loop trip, at the back edge), shared memory within an SM's, and no local
     memory (16-warp tiles keep a few bytes of stack at their 128-register cap, the 64-row ones at
-    theirs)."""
+    theirs), and the epilogues' global writes 8 or 16 bytes wide (GEMM2 in both reduction modes)."""
     import dataclasses
     import re
 
@@ -219,7 +219,8 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
              (2, dataclasses.replace(big, gluon2=True, bn2=256, bk2=64, stages2=4)),
              (1, dataclasses.replace(big, bm=64, bn1=64)), (1, dataclasses.replace(big, bm=32, bn1=64)),
              (2, dataclasses.replace(big, bm=32, gluon2=True, **P.GLUON_GEMM2_SMALL)),
-             (2, dataclasses.replace(big, bm=64, gluon2=True, **P.GLUON_GEMM2_SMALL))]
+             (2, dataclasses.replace(big, bm=64, gluon2=True, **P.GLUON_GEMM2_SMALL)),
+             (2, dataclasses.replace(big, gluon2=True, atomic=not big.atomic, **P.GLUON_GEMM2))]
     for which, cfg in forms:
         ln = gp.stages(cfg, 8192)[which]
         assert ln.options.get("maxnreg") == (P.GLUON_BM64_MAXNREG if cfg.bm == 64 else None)
@@ -240,6 +241,11 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
         assert steps >= 2 and steps <= ops["BAR"] <= steps + 1, (what, ops["BAR"], steps)
         assert ck.metadata.shared <= 227 * 1024, what
         assert "LOCAL:0" in offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", ""), what
+        # the epilogues' global writes: GEMM1's activations 8 or 16 bytes a store (4 or 8 bf16, the half
+        # tile's or the full one's), GEMM2's fp32 outputs 16 bytes a store or atomic
+        writes = re.findall(r"\b(?:st|atom|red)\.global[\w.]*", ptx)
+        wide = r"\.v[24]\.b32$" if which == 1 else r"\.v4\.(?:b32|f32)$"
+        assert writes and all(re.search(wide, w) for w in writes), (what, sorted(set(writes)))
 
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES) + ["odd"])
