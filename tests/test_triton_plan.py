@@ -110,6 +110,29 @@ def test_gemv_splits_are_valid_for_any_layer(E, K, N, top_k, tokens):
     assert cfg.split1 == 1 or programs <= P._GEMV1_PROGRAMS + slots * -(-N // 64) * 2
 
 
+def test_gluon_gemm2_output_layout_holds_each_element_once():
+    """The Gluon GEMM2 epilogue's layout (``gluon_kernels._out_layout``: 4 adjacent outputs a thread,
+    for 16-byte atomics) for every tile a plan or the tuner can launch (``bn2`` 128 or 256 at
+    ``bn2 / 16`` warps; 16 to 128 token rows): it spans the tile
+    exactly, so no element is held by two threads (an atomic issued twice would add twice) and none
+    is left out; a tile it cannot cover so is refused when compiling."""
+    from b12x_ops.backends.triton import gluon_kernels as GK
+
+    if not GK.HAS_GLUON:
+        pytest.skip("this triton has no Gluon")
+    for bn in (128, 256):
+        nw = bn // 16
+        for bm in (16, 32, 64, 128):  # (the half tiles of 64 and 128 rows among them)
+            lay = GK._out_layout(bn, bm, nw)
+            assert list(lay.size_per_thread) == [4, 1] and list(lay.order) == [0, 1]
+            assert lay.warps_per_cta[0] * lay.warps_per_cta[1] == nw
+            for d, size in enumerate((bn, bm)):
+                span = lay.size_per_thread[d] * lay.threads_per_warp[d] * lay.warps_per_cta[d]
+                assert span <= size and size % span == 0, (bn, bm, d, span)
+    with pytest.raises(AssertionError):
+        GK._out_layout(128, 4, 16)  # (4 tokens, 16 warps: the warps would repeat outputs)
+
+
 @pytest.mark.parametrize("name", list(GEOS))
 def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch):
     """Where the Gluon GEMMs are on (by default on sm_90), a plan of at least ``GLUON_MIN_BM``-row
