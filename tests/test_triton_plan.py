@@ -113,9 +113,9 @@ def test_gemv_splits_are_valid_for_any_layer(E, K, N, top_k, tokens):
 def test_gluon_gemm2_output_layout_holds_each_element_once():
     """The Gluon GEMM2 epilogue's layout (``gluon_kernels._out_layout``: 4 adjacent outputs a thread,
     for 16-byte atomics) for every tile a plan or the tuner can launch (``bn2`` 128 or 256 at
-    ``bn2 / 16`` warps; 16 to 128 token rows): it spans the tile
-    exactly, so no element is held by two threads (an atomic issued twice would add twice) and none
-    is left out; a tile it cannot cover so is refused when compiling."""
+    ``bn2 / 16`` warps; 16 to 128 token rows): it spans the tile exactly, so no element is held by
+    two threads (an atomic issued twice would add twice) and none is left out; a tile it cannot
+    cover so is refused when compiling."""
     from b12x_ops.backends.triton import gluon_kernels as GK
 
     if not GK.HAS_GLUON:
