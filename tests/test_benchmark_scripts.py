@@ -51,3 +51,26 @@ def test_ptests_groups_run_every_gpu_test_exactly_once():
     missing = sorted(set(everything) - set(picked))
     assert not missing, f"tests no group selects: {missing}"
     assert all(selected), [g for g, ids in zip(groups, selected) if not ids]  # (no group selects nothing)
+
+
+def test_gemm2_epilogue_variants_still_apply(tmp_path):
+    """``experiments/gemm2_epilogue_variants.py`` edits copies of the package by exact text: each edit
+    must still find its text once in the current kernels (or the script stops, naming it), and
+    each edited tree must still compile as Python, so the diagnosis can be remade."""
+    import importlib.util
+    import py_compile
+
+    path = os.path.join(ROOT, "benchmarks", "experiments", "gemm2_epilogue_variants.py")
+    spec = importlib.util.spec_from_file_location("gemm2_epilogue_variants", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(str(tmp_path))
+    for name, edits in mod.VARIANTS.items():
+        for rel, old, new in edits:
+            edited = os.path.join(tmp_path, name, rel)
+            with open(edited) as f:
+                text = f.read()
+            assert new in text and old not in text, (name, rel)
+            py_compile.compile(edited, doraise=True)
+            with open(os.path.join(ROOT, rel)) as f:
+                assert f.read().count(old) == 1, (name, rel)  # (the package keeps the original)
