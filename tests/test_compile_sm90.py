@@ -255,6 +255,44 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
         assert writes and all(re.search(wide, w) for w in writes), (what, sorted(set(writes)))
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b"])
+def test_persistent_gemm2_experiment_compiles_with_its_mmas_in_flight(offline, name, monkeypatch):
+    """``benchmarks/experiments/gluon_persistent.py``'s GEMM2 (a drop-in for the Gluon GEMM2, not a
+    plan's kernel yet) compiles for sm_90 at the 128-row plan of 8192 tokens, with reductions (N / 64
+    steps a multiple of the ring, 12, and not, 45): the main loop's MMAs in flight, no write to an
+    in-flight MMA's operand registers, its reductions 16 bytes a thread, and its ring and the
+    epilogue's conversion both in an SM's shared memory (the ring is kept across tiles, so the
+    conversion no longer reuses it)."""
+    import dataclasses
+    import importlib.util
+    import re
+
+    import triton
+
+    from b12x_ops.backends.triton import gluon_kernels as GK
+    from b12x_ops.backends.triton import plan as P
+
+    path = os.path.join(ROOT, "benchmarks", "experiments", "gluon_persistent.py")
+    spec = importlib.util.spec_from_file_location("gluon_persistent", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(GK, "gemm2_gluon_kernel", mod.gemm2_persistent_kernel)
+    g = dataclasses.replace(offline._geometry(GEOMETRIES[name]), deterministic=False)
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx, gp.fold, gp.dot_dtype, gp.gluon = True, True, triton.language.bfloat16, True
+    cfg = gp.with_gluon(P.default_config(8192, g), 8192)
+    assert cfg.gluon2 and cfg.bm == 128
+    ln = gp.stages(cfg, 8192)[2]
+    assert ln.fn is mod.gemm2_persistent_kernel
+    ck = offline.compile_launch(ln, 90)
+    sass = offline._cuobjdump(ck.asm["cubin"], "-sass")
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass
+    assert offline.wgmma_operand_hazards(sass) == []
+    assert 96 * 1024 < ck.metadata.shared <= 227 * 1024
+    writes = re.findall(r"\b(?:st|atom|red)\.global[\w.]*", ck.asm["ptx"])
+    assert writes and all(re.search(r"\.v4\.f32$", w) for w in writes), sorted(set(writes))
+
+
 @pytest.mark.parametrize("name", sorted(GEOMETRIES) + ["odd"])
 def test_mma_gemv_compiles_with_its_weights_loaded_before_the_wait(offline, name):
     """The GEMV on mma.sync (``gluon_gemv``; untuned plans at 1-2 tokens on sm_90) compiles for sm_90:

@@ -1,0 +1,266 @@
+"""GEMM2 in Gluon as a persistent kernel (sm_90): the next tile's first copies in flight under the
+current tile's epilogue, against the package's Gluon GEMM2.
+
+    python benchmarks/experiments/gluon_persistent.py qwen3-30b-a3b,dsv4.1-tp4,gpt-oss-120b 2048,8192   # a CUDA GPU
+
+The question (``benchmarks/results/gemm2_epilogue.md``): at 128-row blocks one 16-warp GEMM2
+program fills an SM, so its pipeline fill (the first ``STAGES - 2`` steps' copies, from HBM) and
+its epilogue (the layout conversion, then 16 fp32 reductions of 16 bytes a thread) run with nothing
+beside them; with the reductions predicated off GEMM2 took 7-21 % less. Here ``programs``
+programs an SM (the launch's grid capped at that many an SM) walk the tiles in the plan's order,
+``t = pid, pid + grid, ...`` (block-major, as ``kernels._block_tile``), keeping their copy ring
+across tiles: once a tile's main loop has drained the ring, the next tile's first copies are
+issued, then the tile's epilogue runs while they land. The reductions are fire-and-forget, so the
+next tile's main loop also runs under them.
+
+``gemm2_persistent_kernel`` is a drop-in for ``gluon_kernels.gemm2_gluon_kernel`` (its signature and
+layouts): the script swaps it into the plans and caps the launch's grid. It reuses the package's
+step (``_step_in_set``: decode, the two asynchronous MMAs, the ring's copies) and epilogue. What it
+leaves out: the half tiles (a block of at most BM / 2 rows runs the full tile here, as
+``HALF=False`` plans do), so partial blocks cost more MMA rows than in the package's kernel.
+
+Per geometry and M (128-row plans only: their GEMM2 is the 16-warp Gluon form): the plan's GEMM2
+alone, then the persistent kernel at each ``programs`` (CUDA-graph replay, us per layer), its
+per-slot rows against the package kernel's where the plan's calls are not chunked (deterministic
+mode: bit for bit, the half tiles aside, which compute the same products), and the whole op's output
+in the plan's atomic mode against the package's (relative L2: the reductions add in another order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
+sys.path.insert(0, os.path.dirname(_HERE))
+
+from b12x_ops.backends.triton import gluon_kernels as GK  # noqa: E402
+
+if GK.HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    from b12x_ops.backends.triton.gluon_kernels import (_barrier, _copies, _gemm2_epilogue, _step_in_set, _tile_index,
+                                                        _x_rows, warpgroup_mma_wait)
+
+    @gluon.jit(do_not_specialize=("nblocks",))
+    def gemm2_persistent_kernel(
+        a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+        nblocks,
+        K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+        mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
+        x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
+    ):
+        """``gemm2_gluon_kernel``'s tiles (expert block, BN outputs), a program walking every
+        ``num_programs``-th one; the blocks past the batch's real ones (expert -1) end the walk, as
+        they all come after the real ones. ``HALF`` is ignored (full tiles only)."""
+        NT: gl.constexpr = (K + BN - 1) // BN
+        G: gl.constexpr = BN // 16
+        Q: gl.constexpr = BK // 64
+        BKH: gl.constexpr = BK // 2
+        D: gl.constexpr = STAGES - 2
+        x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
+        c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        # the ring (``gluon_kernels._mainloop``'s: one allocation a stage and a buffer kind), kept
+        # for the program's whole walk
+        ring = ()
+        for i0 in gl.static_range(STAGES):
+            ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
+                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
+                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
+        ntiles = nblocks * NT
+        step = gl.num_programs(0)
+        t = gl.program_id(0)
+        e = gl.load(blk_expert_ptr + t // NT, mask=t < ntiles, other=-1)
+        if e >= 0:
+            _first_copies(t, e, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, D, code_l, s5_l, x_l)
+        while e >= 0:
+            pid_m = t // NT
+            pid_n = t % NT
+            nrow = gl.load(blk_rows_ptr + pid_m)
+            acc = _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, STAGES, FOLD, mma,
+                             a_l, code_l, p7, s5_l, x_l)
+            # the ring is drained: the next tile's first copies go out before this tile's epilogue
+            tn = t + step
+            en = gl.load(blk_expert_ptr + tn // NT, mask=tn < ntiles, other=-1)
+            if en >= 0:
+                _first_copies(tn, en, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, D, code_l, s5_l,
+                              x_l)
+            _gemm2_epilogue(acc, pid_m * BM, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS,
+                            ATOMIC, BM, BN)
+            t = tn
+            e = en
+
+    @gluon.jit
+    def _sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr, BM: gl.constexpr,
+                 BN: gl.constexpr, BK: gl.constexpr, code_l: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
+        """A tile's copy and scale sources, as ``gluon_kernels._gemm2_block`` and ``_mainloop`` make them:
+        ``(c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c)``."""
+        BKH: gl.constexpr = BK // 2
+        NS: gl.constexpr = N // 32
+        NQ: gl.constexpr = (N // 2 + 31) // 32
+        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
+        x_rows = _x_rows(a_ptr, (pid_m * BM + offs_r).to(gl.int64), N, BK, x_l)
+        g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(BN, BK, code_l, s5_l)
+        w_g = w_ptr + e.to(gl.int64) * (K * NQ * 32) + (pid_n * BN // 16 + g_c) * (NQ * 512)
+        r_s = (pid_n * BN + 16 * g_s)[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
+            + (l_s // 4)[None, None, :, None, None]
+        s_row = s_ptr + e.to(gl.int64) * (K * NS) + r_s * NS
+        gvalid = (pid_n * BN + 16 * g_c) < K
+        c_src = (w_g[:, None, None, None] + (q_c[None, :, None, None] * 32 + l_c[None, None, :, None]) * 16
+                 + b_c[None, None, None, :])
+        c_ok = gvalid[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
+        sblk = 2 * q_s[None, :, None, None, None] + s_s[None, None, None, :, None]
+        offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
+        return c_src, c_ok, s_row + sblk, r_s < K, sblk, x_rows, offs_r < nrow, offs_hx, q_c
+
+    @gluon.jit
+    def _first_copies(t, e, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr, BM: gl.constexpr,
+                      BN: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, code_l: gl.constexpr, s5_l: gl.constexpr,
+                      x_l: gl.constexpr):
+        """Tile ``t``'s first ``D`` steps' copies into ring buffers 0 .. D - 1, a group each (what
+        ``_mainloop`` issues before its loop; an empty group past the reduction's end)."""
+        NT: gl.constexpr = (K + BN - 1) // BN
+        pid_m = t // NT
+        nrow = gl.load(blk_rows_ptr + pid_m)
+        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c = _sources(
+            pid_m, t % NT, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, code_l, s5_l, x_l)  # (scales unused)
+        for i0 in gl.static_range(D):
+            if i0 * BK < N:
+                _copies(i0 * BK, ring[i0], c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, N // 2, (N // 2 + 31) // 32)
+            async_copy.commit_group()
+
+    @gluon.jit
+    def _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+                   mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
+                   x_l: gl.constexpr):
+        """``gluon_kernels._mainloop`` after its first copies (issued by ``_first_copies``): the tile's
+        fp32 ``[BN, BM]`` accumulator, the ring drained (every copy landed, every warp past its reads)."""
+        BKH: gl.constexpr = BK // 2
+        D: gl.constexpr = STAGES - 2
+        KS: gl.constexpr = N // 32
+        NSTEP: gl.constexpr = (N + BK - 1) // BK
+        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c = _sources(
+            pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, code_l, s5_l, x_l)
+        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
+        acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+        gl.static_assert(STAGES % 2 == 0)
+        we_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
+        wo_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
+        we_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
+        wo_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
+        K1: gl.constexpr = NSTEP % STAGES
+        for p in gl.static_range(K1):
+            acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b,
+                                                           ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                           sblk, x_rows, rvalid_x, N, BN, BM, BK, STAGES, FOLD, a_l,
+                                                           code_l, p7, x_l)
+        for kk in range(NSTEP // STAGES):
+            for s in gl.static_range(STAGES):
+                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a,
+                                                               wo_a, we_b, wo_b, ring[(K1 + s) % STAGES],
+                                                               ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                               sblk, x_rows, rvalid_x, N, BN, BM, BK, STAGES, FOLD,
+                                                               a_l, code_l, p7, x_l)
+        acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
+        async_copy.wait_group(0)
+        _barrier()
+        return acc
+
+
+def use(programs: int):
+    """Make the plans launch ``gemm2_persistent_kernel`` wherever they would launch the Gluon GEMM2,
+    its grid capped at ``programs`` an SM. Returns the function that undoes it."""
+    import torch
+
+    from b12x_ops.backends.triton import plan as P
+
+    cap = programs * torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    original, call = GK.gemm2_gluon_kernel, P.Launch.__call__
+
+    def capped(self, grid, *args):
+        if self.fn is gemm2_persistent_kernel:
+            grid = (min(grid[0], cap), grid[1], grid[2])
+        return call(self, grid, *args)
+
+    GK.gemm2_gluon_kernel, P.Launch.__call__ = gemm2_persistent_kernel, capped
+
+    def undo():
+        GK.gemm2_gluon_kernel, P.Launch.__call__ = original, call
+
+    return undo
+
+
+def main():
+    import torch
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import plan as P
+    from bench_moe import experiment_points, graph_time, rel_l2
+
+    names = sys.argv[1].split(",")
+    sizes = [int(m) for m in sys.argv[2].split(",")]
+    programs = [int(p) for p in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1]
+    for name, hs, M, (xs, idss, wss, outs) in experiment_points(names, sizes):
+        st = hs[0]._state
+        gp = st.plans
+        base = gp.with_gluon(P.default_config(M, gp.geometry), M)
+        print(f"{name} M={M} bm={base.bm} (the plan's GEMM2: {'Gluon' if base.gluon2 else 'tl.dot'} "
+              f"{(base.bn2, base.bk2, base.stages2)})", flush=True)
+        if not (base.gluon2 and base.bm == 128):
+            print("  skipped: not a 128-row Gluon GEMM2 plan", flush=True)
+            continue
+        det = dataclasses.replace(base, atomic=False)
+        gp.reserve(M, det)
+
+        def stage_us(cfg):
+            return graph_time([lambda: _launch_all(st, cfg, xs[0], idss[0], wss[0], outs[0], stages=("gemm2",))],
+                              reps=20) * 1e6
+
+        def slots(cfg):
+            gp.arena.buffers["slots"].zero_()
+            _launch_all(st, cfg, xs[0], idss[0], wss[0], outs[0], stages=("gemm2",))
+            return gp.arena.buffers["slots"].clone()
+
+        def output(cfg):
+            _launch_all(st, cfg, xs[0], idss[0], wss[0], outs[0])
+            return outs[0].clone()
+
+        def forget():  # (each kernel compiles its own Gluon GEMM2 launch: the kernels differ, the keys not)
+            for k in [k for k in gp.launches if k[0] == "gemm2_gluon"]:
+                del gp.launches[k]
+
+        _launch_all(st, base, xs[0], idss[0], wss[0], outs[0])  # (fills the arena: block table, activations)
+        want_out = output(base)
+        chunked = M > gp.slot_chunk
+        want = None if chunked else slots(det)
+        print(f"  the package's Gluon GEMM2: {stage_us(base):.1f} us", flush=True)
+        forget()
+        for n in programs:
+            undo = use(n)
+            try:
+                got_out = output(base)
+                same = ""
+                if want is not None:
+                    diff = int((slots(det) != want).sum())
+                    same = "; per-slot rows bit-identical" if diff == 0 else f"; {diff} per-slot values differ"
+                t = stage_us(base)
+                ck = gp.stages(base, M)[2].compiled
+                print(f"  persistent, {n} a SM: {t:.1f} us{same}; whole op rel L2 {rel_l2(got_out, want_out):.1e}; "
+                      f"{getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills, "
+                      f"{ck.metadata.shared} B shared", flush=True)
+            except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
+                print(f"  persistent, {n} a SM: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
+            finally:
+                undo()
+                forget()
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
