@@ -2,6 +2,7 @@
 current tile's epilogue, against the package's Gluon GEMM2.
 
     python benchmarks/experiments/gluon_persistent.py qwen3-30b-a3b,dsv4.1-tp4,gpt-oss-120b 2048,8192   # a CUDA GPU
+    GLUON_PERSISTENT_HALF=1 python benchmarks/experiments/gluon_persistent.py ...                      # the half tiles too
 
 The question (``benchmarks/results/gemm2_epilogue.md``): at 128-row blocks one 16-warp GEMM2
 program fills an SM, so its pipeline fill (the first ``STAGES - 2`` steps' copies, from HBM) and
@@ -15,9 +16,10 @@ next tile's main loop also runs under them.
 
 ``gemm2_persistent_kernel`` is a drop-in for ``gluon_kernels.gemm2_gluon_kernel`` (its signature and
 layouts): the script swaps it into the plans and caps the launch's grid. It reuses the package's
-step (``_step_in_set``: decode, the two asynchronous MMAs, the ring's copies) and epilogue. What it
-leaves out: the half tiles (a block of at most BM / 2 rows runs the full tile here, as
-``HALF=False`` plans do), so partial blocks cost more MMA rows than in the package's kernel.
+step (``_step_in_set``: decode, the two asynchronous MMAs, the ring's copies) and epilogue. By default
+it runs every tile in full (a block of at most BM / 2 rows too: more MMA rows than the package's
+half tiles); ``GLUON_PERSISTENT_HALF=1`` runs those as the package's kernel does (the tile of BM / 2
+on the first half of the ring's activation buffers), at a cost in registers (``HALF_TILES``).
 
 Per geometry and M (128-row plans only: their GEMM2 is the 16-warp Gluon form): the plan's GEMM2
 alone, then the persistent kernel at each ``programs`` (CUDA-graph replay, us per layer), its
@@ -46,6 +48,11 @@ if GK.HAS_GLUON:
     from b12x_ops.backends.triton.gluon_kernels import (_barrier, _copies, _gemm2_epilogue, _step_in_set, _tile_index,
                                                         _x_rows, warpgroup_mma_wait)
 
+    # the half tiles (GLUON_PERSISTENT_HALF=1). Offline (triton 3.6, sm_90) the walk with both tile
+    # sizes in its loop no longer keeps the MMAs in flight at Qwen3 (ptxas waits for each step's)
+    # and spills 88 bytes at gpt-oss; with full tiles only it keeps them at every geometry
+    HALF_TILES = gl.constexpr(os.environ.get("GLUON_PERSISTENT_HALF", "0") == "1")
+
     @gluon.jit(do_not_specialize=("nblocks",))
     def gemm2_persistent_kernel(
         a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
@@ -57,7 +64,10 @@ if GK.HAS_GLUON:
     ):
         """``gemm2_gluon_kernel``'s tiles (expert block, BN outputs), a program walking every
         ``num_programs``-th one; the blocks past the batch's real ones (expert -1) end the walk, as
-        they all come after the real ones. ``HALF`` is ignored (full tiles only)."""
+        they all come after the real ones. With ``HALF`` and ``HALF_TILES`` a block of at most BM / 2
+        rows runs the tile of BM / 2 on the first half of the ring's activation buffers (the first
+        copies always fill all BM rows, zeros past the block's, as they are issued before the tile's
+        size is looked at); else every tile is a full one."""
         NT: gl.constexpr = (K + BN - 1) // BN
         G: gl.constexpr = BN // 16
         Q: gl.constexpr = BK // 64
@@ -66,12 +76,15 @@ if GK.HAS_GLUON:
         x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
         c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         # the ring (``gluon_kernels._mainloop``'s: one allocation a stage and a buffer kind), kept
-        # for the program's whole walk
+        # for the program's whole walk, and its view for half tiles
         ring = ()
+        ring_h = ()
         for i0 in gl.static_range(STAGES):
-            ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
-                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
-                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
+            c = gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl)
+            xe = gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)
+            xo = gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)
+            ring = ring + ((c, xe, xo),)
+            ring_h = ring_h + ((c, xe.slice(0, BM // 2), xo.slice(0, BM // 2)),)
         ntiles = nblocks * NT
         step = gl.num_programs(0)
         t = gl.program_id(0)
@@ -82,29 +95,59 @@ if GK.HAS_GLUON:
             pid_m = t // NT
             pid_n = t % NT
             nrow = gl.load(blk_rows_ptr + pid_m)
-            acc = _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, STAGES, FOLD, mma,
-                             a_l, code_l, p7, s5_l, x_l)
-            # the ring is drained: the next tile's first copies go out before this tile's epilogue
-            tn = t + step
-            en = gl.load(blk_expert_ptr + tn // NT, mask=tn < ntiles, other=-1)
-            if en >= 0:
-                _first_copies(tn, en, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, D, code_l, s5_l,
-                              x_l)
-            _gemm2_epilogue(acc, pid_m * BM, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS,
-                            ATOMIC, BM, BN)
+            if HALF_TILES and HALF:
+                if nrow <= BM // 2:
+                    acc_h = _tile_loop(pid_m, pid_n, e, nrow, ring_h, a_ptr, w_ptr, s_ptr, K, N, BM, BM // 2, BN, BK,
+                                       STAGES, FOLD, mma_h, a_l_h, code_l, p7, s5_l, x_l)
+                    tn, en = _next_then_epilogue(acc_h, t + step, ntiles, pid_m, pid_n, e, nrow, ring, a_ptr,
+                                                 sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr,
+                                                 wts_ptr, dst_ptr, K, N, TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, D,
+                                                 code_l, s5_l, x_l)
+                else:
+                    acc = _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K, N, BM, BM, BN, BK, STAGES,
+                                     FOLD, mma, a_l, code_l, p7, s5_l, x_l)
+                    tn, en = _next_then_epilogue(acc, t + step, ntiles, pid_m, pid_n, e, nrow, ring, a_ptr,
+                                                 sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr,
+                                                 wts_ptr, dst_ptr, K, N, TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, D,
+                                                 code_l, s5_l, x_l)
+            else:
+                acc = _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K, N, BM, BM, BN, BK, STAGES, FOLD,
+                                 mma, a_l, code_l, p7, s5_l, x_l)
+                tn, en = _next_then_epilogue(acc, t + step, ntiles, pid_m, pid_n, e, nrow, ring, a_ptr, sorted_ptr,
+                                             blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
+                                             N, TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, D, code_l, s5_l, x_l)
             t = tn
             e = en
 
     @gluon.jit
-    def _sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr, BM: gl.constexpr,
-                 BN: gl.constexpr, BK: gl.constexpr, code_l: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
-        """A tile's copy and scale sources, as ``gluon_kernels._gemm2_block`` and ``_mainloop`` make them:
+    def _next_then_epilogue(acc, tn, ntiles, pid_m, pid_n, e, nrow, ring, a_ptr, sorted_ptr, blk_expert_ptr,
+                            blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr, N: gl.constexpr,
+                            TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr, BLK: gl.constexpr,
+                            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, D: gl.constexpr,
+                            code_l: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
+        """Once a tile's main loop has drained the ring: the next tile's (``tn`` of ``ntiles``) first
+        copies, then this tile's epilogue (``BM`` of its ``BLK``-row block's rows) while they land.
+        Returns ``(tn, its expert)`` (-1: none, and the walk ends)."""
+        NT: gl.constexpr = (K + BN - 1) // BN
+        en = gl.load(blk_expert_ptr + tn // NT, mask=tn < ntiles, other=-1)
+        if en >= 0:
+            _first_copies(tn, en, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BLK, BN, BK, D, code_l, s5_l, x_l)
+        _gemm2_epilogue(acc, pid_m * BLK, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS,
+                        ATOMIC, BM, BN)
+        return tn, en
+
+    @gluon.jit
+    def _sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr, BLK: gl.constexpr,
+                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, code_l: gl.constexpr, s5_l: gl.constexpr,
+                 x_l: gl.constexpr):
+        """A tile's copy and scale sources (the first ``BM`` rows of its ``BLK``-row block), as
+        ``gluon_kernels._gemm2_block`` and ``_mainloop`` make them:
         ``(c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c)``."""
         BKH: gl.constexpr = BK // 2
         NS: gl.constexpr = N // 32
         NQ: gl.constexpr = (N // 2 + 31) // 32
         offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
-        x_rows = _x_rows(a_ptr, (pid_m * BM + offs_r).to(gl.int64), N, BK, x_l)
+        x_rows = _x_rows(a_ptr, (pid_m * BLK + offs_r).to(gl.int64), N, BK, x_l)
         g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(BN, BK, code_l, s5_l)
         w_g = w_ptr + e.to(gl.int64) * (K * NQ * 32) + (pid_n * BN // 16 + g_c) * (NQ * 512)
         r_s = (pid_n * BN + 16 * g_s)[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
@@ -128,7 +171,7 @@ if GK.HAS_GLUON:
         pid_m = t // NT
         nrow = gl.load(blk_rows_ptr + pid_m)
         c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c = _sources(
-            pid_m, t % NT, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, code_l, s5_l, x_l)  # (scales unused)
+            pid_m, t % NT, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BM, BM, BN, BK, code_l, s5_l, x_l)  # (scales unused)
         for i0 in gl.static_range(D):
             if i0 * BK < N:
                 _copies(i0 * BK, ring[i0], c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, N // 2, (N // 2 + 31) // 32)
@@ -136,17 +179,19 @@ if GK.HAS_GLUON:
 
     @gluon.jit
     def _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr,
-                   BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+                   BLK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                   FOLD: gl.constexpr,
                    mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
                    x_l: gl.constexpr):
-        """``gluon_kernels._mainloop`` after its first copies (issued by ``_first_copies``): the tile's
-        fp32 ``[BN, BM]`` accumulator, the ring drained (every copy landed, every warp past its reads)."""
+        """``gluon_kernels._mainloop`` after its first copies (issued by ``_first_copies``) on the first
+        ``BM`` rows of the ``BLK``-row block (``ring``: views of that many rows): the tile's fp32
+        ``[BN, BM]`` accumulator, the ring drained (every copy landed, every warp past its reads)."""
         BKH: gl.constexpr = BK // 2
         D: gl.constexpr = STAGES - 2
         KS: gl.constexpr = N // 32
         NSTEP: gl.constexpr = (N + BK - 1) // BK
         c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c = _sources(
-            pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, code_l, s5_l, x_l)
+            pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BLK, BM, BN, BK, code_l, s5_l, x_l)
         sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         gl.static_assert(STAGES % 2 == 0)
