@@ -256,15 +256,16 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b"])
-@pytest.mark.parametrize("half", [False, True])
-def test_persistent_gemm2_experiment_compiles(offline, name, half, monkeypatch):
-    """``benchmarks/experiments/gluon_persistent.py``'s GEMM2 (a drop-in for the Gluon GEMM2, not a
-    plan's kernel yet) compiles for sm_90 at the 128-row plan of 8192 tokens, with reductions (N / 64
-    steps a multiple of the ring, 12, and not, 45), in both its forms (full tiles only; with the half
-    tiles, ``GLUON_PERSISTENT_HALF=1``): no write to an in-flight MMA's operand registers, its
-    reductions 16 bytes a thread, and its ring and the epilogue's conversion both in an SM's shared
-    memory (the ring is kept across tiles, so the conversion no longer reuses it); the full-tile
-    form keeps the main loop's MMAs in flight (the half-tile form does not at Qwen3: ptxas waits)."""
+@pytest.mark.parametrize("form", ["persistent", "persistent_half", "deferred"])
+def test_persistent_gemm2_experiment_compiles(offline, name, form, monkeypatch):
+    """``benchmarks/experiments/gluon_persistent.py``'s GEMM2s (drop-ins for the Gluon GEMM2, not a
+    plan's kernels yet) compile for sm_90 at the 128-row plan of 8192 tokens, with reductions (N / 64
+    steps a multiple of the ring, 12, and not, 45), in each form (the walk with full tiles only, with
+    the half tiles, ``GLUON_PERSISTENT_HALF=1``, and with the reductions deferred into the next
+    tile's loop): no write to an in-flight MMA's operand registers, the reductions 16 bytes a
+    thread, and the ring kept across tiles beside the epilogue's conversion (or the deferred
+    outputs) in an SM's shared memory; the full-tile walks keep the main loop's MMAs in flight (the
+    half-tile form does not at Qwen3: ptxas waits)."""
     import dataclasses
     import importlib.util
     import re
@@ -275,27 +276,31 @@ def test_persistent_gemm2_experiment_compiles(offline, name, half, monkeypatch):
     from b12x_ops.backends.triton import plan as P
 
     path = os.path.join(ROOT, "benchmarks", "experiments", "gluon_persistent.py")
+    half = form == "persistent_half"
     monkeypatch.setenv("GLUON_PERSISTENT_HALF", "1" if half else "0")  # (read when the module loads)
     spec = importlib.util.spec_from_file_location("gluon_persistent", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    monkeypatch.setattr(GK, "gemm2_gluon_kernel", mod.gemm2_persistent_kernel)
+    kernel = mod.gemm2_deferred_kernel if form == "deferred" else mod.gemm2_persistent_kernel
+    monkeypatch.setattr(GK, "gemm2_gluon_kernel", kernel)
     g = dataclasses.replace(offline._geometry(GEOMETRIES[name]), deterministic=False)
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
     gp.ptx, gp.fold, gp.dot_dtype, gp.gluon = True, True, triton.language.bfloat16, True
     cfg = gp.with_gluon(P.default_config(8192, g), 8192)
     assert cfg.gluon2 and cfg.bm == 128
     ln = gp.stages(cfg, 8192)[2]
-    assert ln.fn is mod.gemm2_persistent_kernel
+    assert ln.fn is kernel
     ck = offline.compile_launch(ln, 90)
     sass = offline._cuobjdump(ck.asm["cubin"], "-sass")
     assert ("WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass) or half
     assert offline.wgmma_operand_hazards(sass) == []
     assert 96 * 1024 < ck.metadata.shared <= 227 * 1024
     # the main loop's steps as compiled (a trip of STAGES steps, the NSTEP % STAGES left over before it),
-    # two MMAs a step of two k16 HGMMA each; twice over where the half tiles have their own loop
+    # two MMAs a step of two k16 HGMMA each; twice over where the half tiles have their own loop, or
+    # the first trip is peeled (deferred)
     steps = cfg.stages2 + (-(-GEOMETRIES[name]["N"] // cfg.bk2)) % cfg.stages2
-    assert sass.count("HGMMA") == 4 * steps * (2 if half else 1)
+    peeled = cfg.stages2 if form == "deferred" else 0
+    assert sass.count("HGMMA") == 4 * (steps + peeled) * (2 if half else 1)
     writes = re.findall(r"\b(?:st|atom|red)\.global[\w.]*", ck.asm["ptx"])
     assert writes and all(re.search(r"\.v4\.f32$", w) for w in writes), sorted(set(writes))
 

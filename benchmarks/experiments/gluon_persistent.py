@@ -15,14 +15,17 @@ issued, then the tile's epilogue runs while they land. The reductions are fire-a
 next tile's main loop also runs under them.
 
 ``gemm2_persistent_kernel`` is a drop-in for ``gluon_kernels.gemm2_gluon_kernel`` (its signature and
-layouts): the script swaps it into the plans and caps the launch's grid. It reuses the package's
+layouts): the script swaps it into the plans and caps the launch's grid. ``gemm2_deferred_kernel``
+walks the same way (full tiles only) and also defers each tile's reductions: its accumulator goes to
+shared memory beside the ring (224 KB in all at 256 x 128 tiles), and the next tile's main loop
+issues them a piece after each step of its first trip, beside its MMAs. It reuses the package's
 step (``_step_in_set``: decode, the two asynchronous MMAs, the ring's copies) and epilogue. By default
 it runs every tile in full (a block of at most BM / 2 rows too: more MMA rows than the package's
 half tiles); ``GLUON_PERSISTENT_HALF=1`` runs those as the package's kernel does (the tile of BM / 2
 on the first half of the ring's activation buffers), at a cost in registers (``HALF_TILES``).
 
 Per geometry and M (128-row plans only: their GEMM2 is the 16-warp Gluon form): the plan's GEMM2
-alone, then the persistent kernel at each ``programs`` (CUDA-graph replay, us per layer), its
+alone, then each kernel at each ``programs`` (CUDA-graph replay, us per layer), its
 per-slot rows against the package kernel's where the plan's calls are not chunked (deterministic
 mode: bit for bit, the half tiles aside, which compute the same products), and the whole op's output
 in the plan's atomic mode against the package's (relative L2: the reductions add in another order).
@@ -218,9 +221,140 @@ if GK.HAS_GLUON:
         return acc
 
 
-def use(programs: int):
-    """Make the plans launch ``gemm2_persistent_kernel`` wherever they would launch the Gluon GEMM2,
-    its grid capped at ``programs`` an SM. Returns the function that undoes it."""
+    # the deferred form's reductions: the previous tile's output in DEFER_CHUNKS pieces of its tokens,
+    # one after each of the first DEFER_CHUNKS steps of the next tile's main loop (= STAGES: the loop's
+    # first trip, peeled so that each step's piece is known when compiling)
+
+    @gluon.jit(do_not_specialize=("nblocks",))
+    def gemm2_deferred_kernel(
+        a_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr,
+        nblocks,
+        K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
+        mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
+        x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
+    ):
+        """``gemm2_persistent_kernel``'s walk (full tiles only) with each tile's reductions deferred:
+        its accumulator goes to shared memory (``out_s``, [BN, BM] fp32 beside the ring: 128 + 96 KB at
+        BN = 256, BM = 128), and the next tile's main loop issues them a piece after each of its first
+        STAGES steps, so they run beside its MMAs; the last tile's go after the walk."""
+        NT: gl.constexpr = (K + BN - 1) // BN
+        G: gl.constexpr = BN // 16
+        Q: gl.constexpr = BK // 64
+        BKH: gl.constexpr = BK // 2
+        D: gl.constexpr = STAGES - 2
+        NSTEP: gl.constexpr = (N + BK - 1) // BK
+        gl.static_assert(NSTEP >= STAGES + NSTEP % STAGES)  # (a whole trip to peel)
+        gl.static_assert(BM % STAGES == 0)
+        x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
+        c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        ring = ()
+        for i0 in gl.static_range(STAGES):
+            ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
+                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
+                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
+        # outputs contiguous (a reduction's 4 adjacent outputs one 16-byte load), 16-byte vectors
+        # swizzled across tokens (the accumulator's store: a warp's lanes on 4 tokens 2 apart)
+        out_s = gl.allocate_shared_memory(gl.float32, [BN, BM], gl.SwizzledSharedLayout(4, 1, 8, [0, 1]))
+        ntiles = nblocks * NT
+        step = gl.num_programs(0)
+        t = gl.program_id(0)
+        e = gl.load(blk_expert_ptr + t // NT, mask=t < ntiles, other=-1)
+        if e >= 0:
+            _first_copies(t, e, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, D, code_l, s5_l, x_l)
+        pm = t * 0  # the previous tile (none yet: its expert -1)
+        pn = t * 0
+        pe = e * 0 - 1
+        pnrow = t * 0
+        while e >= 0:
+            pid_m = t // NT
+            pid_n = t % NT
+            nrow = gl.load(blk_rows_ptr + pid_m)
+            acc = _deferred_tile_loop(pid_m, pid_n, e, nrow, ring, out_s, pm, pn, pe, pnrow, a_ptr, sorted_ptr, w_ptr,
+                                      s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N, TOPK, HAS_GS, ATOMIC, BM, BN, BK, STAGES,
+                                      FOLD, mma, a_l, code_l, p7, s5_l, x_l)
+            tn = t + step
+            en = gl.load(blk_expert_ptr + tn // NT, mask=tn < ntiles, other=-1)
+            if en >= 0:
+                _first_copies(tn, en, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, D, code_l, s5_l,
+                              x_l)
+            # (every warp read the previous tile's pieces in the first trip, and met at a barrier since)
+            out_s.store(acc)
+            pm = pid_m
+            pn = pid_n
+            pe = e
+            pnrow = nrow
+            t = tn
+            e = en
+        _barrier()
+        if pe >= 0:
+            for j in gl.static_range(STAGES):
+                _reduce_piece(out_s, j, pm, pn, pe, pnrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS,
+                              ATOMIC, BM, BN, STAGES)
+
+    @gluon.jit
+    def _reduce_piece(out_s, j: gl.constexpr, pm, pn, pe, pnrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr,
+                      TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr, BM: gl.constexpr,
+                      BN: gl.constexpr, PIECES: gl.constexpr):
+        """Piece ``j`` of ``PIECES`` (its tokens) of a tile's output in ``out_s`` through the package's
+        epilogue (already in its write layout, so its conversion moves nothing)."""
+        CW: gl.constexpr = BM // PIECES
+        out_l: gl.constexpr = GK._out_layout(BN, CW, gl.num_warps())
+        piece = out_s.slice(j * CW, CW, dim=1).load(out_l)
+        _gemm2_epilogue(piece, pm * BM + j * CW, pn, pe, pnrow - j * CW, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK,
+                        HAS_GS, ATOMIC, CW, BN)
+
+    @gluon.jit
+    def _deferred_tile_loop(pid_m, pid_n, e, nrow, ring, out_s, pm, pn, pe, pnrow, a_ptr, sorted_ptr, w_ptr, s_ptr,
+                            gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr,
+                            HAS_GS: gl.constexpr, ATOMIC: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                            BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr,
+                            a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
+                            x_l: gl.constexpr):
+        """``_tile_loop`` (full tiles) with the first trip peeled: after each of its STAGES steps, one
+        piece of the previous tile's reductions (``pe`` < 0: none)."""
+        BKH: gl.constexpr = BK // 2
+        D: gl.constexpr = STAGES - 2
+        KS: gl.constexpr = N // 32
+        NSTEP: gl.constexpr = (N + BK - 1) // BK
+        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c = _sources(
+            pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BM, BM, BN, BK, code_l, s5_l, x_l)
+        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
+        acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+        we_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
+        wo_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
+        we_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
+        wo_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
+        K1: gl.constexpr = NSTEP % STAGES
+        for p in gl.static_range(K1):
+            acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b,
+                                                           ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                           sblk, x_rows, rvalid_x, N, BN, BM, BK, STAGES, FOLD, a_l,
+                                                           code_l, p7, x_l)
+        for s in gl.static_range(STAGES):  # the first trip, a piece of the previous tile's reductions a step
+            acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + s) * BK, acc, sb, we_a, wo_a, we_b, wo_b,
+                                                           ring[(K1 + s) % STAGES], ring[(K1 + s + D) % STAGES], c_src,
+                                                           c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, N, BN, BM, BK,
+                                                           STAGES, FOLD, a_l, code_l, p7, x_l)
+            if pe >= 0:
+                _reduce_piece(out_s, s, pm, pn, pe, pnrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS,
+                              ATOMIC, BM, BN, STAGES)
+        for kk in range(1, NSTEP // STAGES):
+            for s in gl.static_range(STAGES):
+                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a,
+                                                               wo_a, we_b, wo_b, ring[(K1 + s) % STAGES],
+                                                               ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                               sblk, x_rows, rvalid_x, N, BN, BM, BK, STAGES, FOLD,
+                                                               a_l, code_l, p7, x_l)
+        acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
+        async_copy.wait_group(0)
+        _barrier()
+        return acc
+
+def use(kernel, programs: int):
+    """Make the plans launch ``kernel`` (``gemm2_persistent_kernel`` or ``gemm2_deferred_kernel``)
+    wherever they would launch the Gluon GEMM2, its grid capped at ``programs`` an SM. Returns the
+    function that undoes it."""
     import torch
 
     from b12x_ops.backends.triton import plan as P
@@ -229,11 +363,11 @@ def use(programs: int):
     original, call = GK.gemm2_gluon_kernel, P.Launch.__call__
 
     def capped(self, grid, *args):
-        if self.fn is gemm2_persistent_kernel:
+        if self.fn is kernel:
             grid = (min(grid[0], cap), grid[1], grid[2])
         return call(self, grid, *args)
 
-    GK.gemm2_gluon_kernel, P.Launch.__call__ = gemm2_persistent_kernel, capped
+    GK.gemm2_gluon_kernel, P.Launch.__call__ = kernel, capped
 
     def undo():
         GK.gemm2_gluon_kernel, P.Launch.__call__ = original, call
@@ -286,8 +420,9 @@ def main():
         want = None if chunked else slots(det)
         print(f"  the package's Gluon GEMM2: {stage_us(base):.1f} us", flush=True)
         forget()
-        for n in programs:
-            undo = use(n)
+        for (label, kernel), n in [(f, n) for f in (("persistent", gemm2_persistent_kernel),
+                                                   ("deferred reductions", gemm2_deferred_kernel)) for n in programs]:
+            undo = use(kernel, n)
             try:
                 got_out = output(base)
                 same = ""
@@ -296,11 +431,11 @@ def main():
                     same = "; per-slot rows bit-identical" if diff == 0 else f"; {diff} per-slot values differ"
                 t = stage_us(base)
                 ck = gp.stages(base, M)[2].compiled
-                print(f"  persistent, {n} a SM: {t:.1f} us{same}; whole op rel L2 {rel_l2(got_out, want_out):.1e}; "
+                print(f"  {label}, {n} a SM: {t:.1f} us{same}; whole op rel L2 {rel_l2(got_out, want_out):.1e}; "
                       f"{getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills, "
                       f"{ck.metadata.shared} B shared", flush=True)
             except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
-                print(f"  persistent, {n} a SM: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
+                print(f"  {label}, {n} a SM: FAILED {type(ex).__name__}: {str(ex)[-400:]}", flush=True)
             finally:
                 undo()
                 forget()
