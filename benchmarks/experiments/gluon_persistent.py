@@ -220,10 +220,9 @@ if GK.HAS_GLUON:
         _barrier()
         return acc
 
-
-    # the deferred form's reductions: the previous tile's output in DEFER_CHUNKS pieces of its tokens,
-    # one after each of the first DEFER_CHUNKS steps of the next tile's main loop (= STAGES: the loop's
-    # first trip, peeled so that each step's piece is known when compiling)
+    # the deferred form's reductions: the previous tile's output in STAGES pieces of its tokens, one
+    # after each step of the next tile's first trip (peeled, so that each step's piece is known when
+    # compiling)
 
     @gluon.jit(do_not_specialize=("nblocks",))
     def gemm2_deferred_kernel(
