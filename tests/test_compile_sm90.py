@@ -278,6 +278,7 @@ def test_persistent_gemm2_experiment_compiles(offline, name, form, monkeypatch):
     path = os.path.join(ROOT, "benchmarks", "experiments", "gluon_persistent.py")
     half = form == "persistent_half"
     monkeypatch.setenv("GLUON_PERSISTENT_HALF", "1" if half else "0")  # (read when the module loads)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the module puts the repository on it)
     spec = importlib.util.spec_from_file_location("gluon_persistent", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
