@@ -136,39 +136,70 @@ if HAS_GLUON:
         ``w_g``: ``[G]`` pointers to the tile's repacked row groups (``gvalid``: which exist);
         ``s_row``: ``[G, 1, 32, 1, 2]`` pointers to the scale bytes of each lane's rows (``s_ok``:
         which exist); ``x_rows``: ``[BM, BKH]`` pointers to the activations a step's even elements
-        start at (split layout; the odd ones are 16 further), ``rvalid_x`` which rows are real."""
+        start at (split layout; the odd ones are 16 further), ``rvalid_x`` which rows are real.
+        In three parts a persistent kernel can also call apart: the ring (``_ring``), its first
+        copies (``_prefill``) and the steps (``_steps``)."""
+        ring = _ring(R, BM, BK, STAGES)
+        c_src, c_ok, s_src, sblk = _operand_sources(w_g, gvalid, s_row, R, BK, code_l, s5_l)
+        _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED, R, BK, STAGES, code_l, x_l)
+        return _steps(ring, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, mma, a_l,
+                      code_l, p7, x_l)
+
+    @gluon.jit
+    def _ring(R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+        """``_mainloop``'s ring of STAGES (codes, even activations, odd activations) buffers.
+
+        One allocation a stage and a buffer kind, so that every buffer a step touches is known at
+        compile time (the loop is unrolled by a multiple of STAGES) and the compiler's barrier
+        analysis sees that a step's copies (into step k + D's buffers) and its reads (step k's)
+        touch different allocations: one barrier a step, the one in ``_step``."""
         BKH: gl.constexpr = BK // 2
-        G: gl.constexpr = R // 16
-        Q: gl.constexpr = BK // 64
-        KH: gl.constexpr = RED // 2
-        KS: gl.constexpr = RED // 32
-        NQ: gl.constexpr = (KH + 31) // 32
-        D: gl.constexpr = STAGES - 2
-        NSTEP: gl.constexpr = (RED + BK - 1) // BK
         x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
         c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        ring = ()
+        for i0 in gl.static_range(STAGES):
+            ring = ring + ((gl.allocate_shared_memory(gl.uint8, [R // 16, BK // 64, 32, 16], c_sl),
+                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
+                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
+        return ring
+
+    @gluon.jit
+    def _operand_sources(w_g, gvalid, s_row, R: gl.constexpr, BK: gl.constexpr, code_l: gl.constexpr,
+                         s5_l: gl.constexpr):
+        """The code tile's copy sources and their mask, and the scale bytes' (a step's first 32-element
+        blocks): ``(c_src, c_ok, s_src, sblk)`` (``_mainloop``'s arguments)."""
         g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(R, BK, code_l, s5_l)
         c_src = (w_g[:, None, None, None] + (q_c[None, :, None, None] * 32 + l_c[None, None, :, None]) * 16
                  + b_c[None, None, None, :])
         c_ok = gvalid[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
         sblk = 2 * q_s[None, :, None, None, None] + s_s[None, None, None, :, None]  # 32-element block of the step
-        s_src = s_row + sblk
-        offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
+        return c_src, c_ok, s_row + sblk, sblk
 
-        # The ring: one allocation a stage and a buffer kind, so that every buffer a step touches is
-        # known at compile time (the loop is unrolled by a multiple of STAGES) and the compiler's
-        # barrier analysis sees that a step's copies (into step k + D's buffers) and its reads
-        # (step k's) touch different allocations: one barrier a step, the one below.
-        ring = ()
-        for i0 in gl.static_range(STAGES):
-            ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
-                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
-                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
-        for i0 in gl.static_range(D):  # the first D steps' copies (an empty group past the end)
+    @gluon.jit
+    def _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BK: gl.constexpr,
+                 STAGES: gl.constexpr, code_l: gl.constexpr, x_l: gl.constexpr):
+        """The first STAGES - 2 steps' copies into the ring's first buffers, a group each (an empty
+        group past the reduction's end)."""
+        BKH: gl.constexpr = BK // 2
+        KH: gl.constexpr = RED // 2
+        NQ: gl.constexpr = (KH + 31) // 32
+        offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
+        q_c = gl.arange(0, BK // 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
+        for i0 in gl.static_range(STAGES - 2):
             if i0 * BK < RED:
                 _copies(i0 * BK, ring[i0], c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)
             async_copy.commit_group()
 
+    @gluon.jit
+    def _steps(ring, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr,
+               BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr,
+               a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, x_l: gl.constexpr):
+        """``_mainloop``'s steps once ``_prefill``'s copies are out: the fp32 ``[R, BM]`` accumulator,
+        the ring drained (every copy landed, every warp past its reads)."""
+        BKH: gl.constexpr = BK // 2
+        KS: gl.constexpr = RED // 32
+        D: gl.constexpr = STAGES - 2
+        NSTEP: gl.constexpr = (RED + BK - 1) // BK
         sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)  # (scale bytes: a step ahead)
         acc = gl.zeros([R, BM], gl.float32, layout=mma)
         # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
@@ -414,6 +445,20 @@ if HAS_GLUON:
                      FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr,
                      p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
         """``gemm2_gluon_kernel``'s program on the first ``BM`` rows of its ``BLK``-row block."""
+        w_g, gvalid, s_row, s_ok, x_rows, rvalid_x = _gemm2_sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N,
+                                                                    BLK, BM, BN, BK, code_l, s5_l, x_l)
+        acc = _mainloop(w_g, gvalid, s_row, s_ok, x_rows, rvalid_x, N, BN, BM, BK, STAGES, FOLD, mma, a_l, code_l, p7,
+                        s5_l, x_l)
+        _gemm2_epilogue(acc, pid_m * BLK, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
+                        BM, BN)
+
+    @gluon.jit
+    def _gemm2_sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr,
+                       BLK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, code_l: gl.constexpr,
+                       s5_l: gl.constexpr, x_l: gl.constexpr):
+        """A GEMM2 tile's ``_mainloop`` sources (the first ``BM`` rows of block ``pid_m`` of ``BLK``,
+        ``nrow`` real; outputs ``pid_n * BN ..`` of expert ``e``):
+        ``(w_g, gvalid, s_row, s_ok, x_rows, rvalid_x)``."""
         NS: gl.constexpr = N // 32
         NQ: gl.constexpr = (N // 2 + 31) // 32
         # the block's rows of a (block-ordered: rows pid_m * BLK ..)
@@ -424,10 +469,7 @@ if HAS_GLUON:
         r_s = (pid_n * BN + 16 * g_s)[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
             + (l_s // 4)[None, None, :, None, None]  # the lane's output rows
         s_row = s_ptr + e.to(gl.int64) * (K * NS) + r_s * NS
-        acc = _mainloop(w_g, (pid_n * BN + 16 * g_c) < K, s_row, r_s < K, x_rows, offs_r < nrow, N, BN, BM, BK,
-                        STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
-        _gemm2_epilogue(acc, pid_m * BLK, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS, ATOMIC,
-                        BM, BN)
+        return w_g, (pid_n * BN + 16 * g_c) < K, s_row, r_s < K, x_rows, offs_r < nrow
 
     @gluon.jit
     def _gemm2_epilogue(acc, row0, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr,
