@@ -2,7 +2,7 @@
 current tile's epilogue, against the package's Gluon GEMM2.
 
     python benchmarks/experiments/gluon_persistent.py qwen3-30b-a3b,dsv4.1-tp4,gpt-oss-120b 2048,8192   # a CUDA GPU
-    GLUON_PERSISTENT_HALF=1 python benchmarks/experiments/gluon_persistent.py ...                      # the half tiles too
+    GLUON_PERSISTENT_HALF=1 python benchmarks/experiments/gluon_persistent.py ...   # the half tiles too
 
 The question (``benchmarks/results/gemm2_epilogue.md``): at 128-row blocks one 16-warp GEMM2
 program fills an SM, so its pipeline fill (the first ``STAGES - 2`` steps' copies, from HBM) and
@@ -48,8 +48,8 @@ if GK.HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from b12x_ops.backends.triton.gluon_kernels import (_barrier, _copies, _gemm2_epilogue, _step_in_set, _tile_index,
-                                                        _x_rows, warpgroup_mma_wait)
+    from b12x_ops.backends.triton.gluon_kernels import (_barrier, _gemm2_epilogue, _gemm2_sources, _operand_sources,
+                                                        _prefill, _ring, _step_in_set, _steps, warpgroup_mma_wait)
 
     # the half tiles (GLUON_PERSISTENT_HALF=1). Offline (triton 3.6, sm_90) the walk with both tile
     # sizes in its loop no longer keeps the MMAs in flight at Qwen3 (ptxas waits for each step's)
@@ -72,28 +72,18 @@ if GK.HAS_GLUON:
         copies always fill all BM rows, zeros past the block's, as they are issued before the tile's
         size is looked at); else every tile is a full one."""
         NT: gl.constexpr = (K + BN - 1) // BN
-        G: gl.constexpr = BN // 16
-        Q: gl.constexpr = BK // 64
-        BKH: gl.constexpr = BK // 2
-        D: gl.constexpr = STAGES - 2
-        x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
-        c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        # the ring (``gluon_kernels._mainloop``'s: one allocation a stage and a buffer kind), kept
-        # for the program's whole walk, and its view for half tiles
-        ring = ()
+        # the ring (``gluon_kernels._mainloop``'s), kept for the program's whole walk, and its view
+        # for half tiles
+        ring = _ring(BN, BM, BK, STAGES)
         ring_h = ()
         for i0 in gl.static_range(STAGES):
-            c = gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl)
-            xe = gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)
-            xo = gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)
-            ring = ring + ((c, xe, xo),)
-            ring_h = ring_h + ((c, xe.slice(0, BM // 2), xo.slice(0, BM // 2)),)
+            ring_h = ring_h + ((ring[i0][0], ring[i0][1].slice(0, BM // 2), ring[i0][2].slice(0, BM // 2)),)
         ntiles = nblocks * NT
         step = gl.num_programs(0)
         t = gl.program_id(0)
         e = gl.load(blk_expert_ptr + t // NT, mask=t < ntiles, other=-1)
         if e >= 0:
-            _first_copies(t, e, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, D, code_l, s5_l, x_l)
+            _first_copies(t, e, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, STAGES, code_l, s5_l, x_l)
         while e >= 0:
             pid_m = t // NT
             pid_n = t % NT
@@ -104,21 +94,21 @@ if GK.HAS_GLUON:
                                        STAGES, FOLD, mma_h, a_l_h, code_l, p7, s5_l, x_l)
                     tn, en = _next_then_epilogue(acc_h, t + step, ntiles, pid_m, pid_n, e, nrow, ring, a_ptr,
                                                  sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr,
-                                                 wts_ptr, dst_ptr, K, N, TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, D,
-                                                 code_l, s5_l, x_l)
+                                                 wts_ptr, dst_ptr, K, N, TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK,
+                                                 STAGES, code_l, s5_l, x_l)
                 else:
                     acc = _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K, N, BM, BM, BN, BK, STAGES,
                                      FOLD, mma, a_l, code_l, p7, s5_l, x_l)
                     tn, en = _next_then_epilogue(acc, t + step, ntiles, pid_m, pid_n, e, nrow, ring, a_ptr,
                                                  sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr,
-                                                 wts_ptr, dst_ptr, K, N, TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, D,
+                                                 wts_ptr, dst_ptr, K, N, TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES,
                                                  code_l, s5_l, x_l)
             else:
                 acc = _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K, N, BM, BM, BN, BK, STAGES, FOLD,
                                  mma, a_l, code_l, p7, s5_l, x_l)
                 tn, en = _next_then_epilogue(acc, t + step, ntiles, pid_m, pid_n, e, nrow, ring, a_ptr, sorted_ptr,
                                              blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
-                                             N, TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, D, code_l, s5_l, x_l)
+                                             N, TOPK, HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES, code_l, s5_l, x_l)
             t = tn
             e = en
 
@@ -126,7 +116,7 @@ if GK.HAS_GLUON:
     def _next_then_epilogue(acc, tn, ntiles, pid_m, pid_n, e, nrow, ring, a_ptr, sorted_ptr, blk_expert_ptr,
                             blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K: gl.constexpr, N: gl.constexpr,
                             TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr, BLK: gl.constexpr,
-                            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, D: gl.constexpr,
+                            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                             code_l: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
         """Once a tile's main loop has drained the ring: the next tile's (``tn`` of ``ntiles``) first
         copies, then this tile's epilogue (``BM`` of its ``BLK``-row block's rows) while they land.
@@ -134,7 +124,7 @@ if GK.HAS_GLUON:
         NT: gl.constexpr = (K + BN - 1) // BN
         en = gl.load(blk_expert_ptr + tn // NT, mask=tn < ntiles, other=-1)
         if en >= 0:
-            _first_copies(tn, en, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BLK, BN, BK, D, code_l, s5_l, x_l)
+            _first_copies(tn, en, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BLK, BN, BK, STAGES, code_l, s5_l, x_l)
         _gemm2_epilogue(acc, pid_m * BLK, pid_n, e, nrow, sorted_ptr, gs_ptr, wts_ptr, dst_ptr, K, TOPK, HAS_GS,
                         ATOMIC, BM, BN)
         return tn, en
@@ -145,80 +135,37 @@ if GK.HAS_GLUON:
                  x_l: gl.constexpr):
         """A tile's copy and scale sources (the first ``BM`` rows of its ``BLK``-row block), as
         ``gluon_kernels._gemm2_block`` and ``_mainloop`` make them:
-        ``(c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c)``."""
-        BKH: gl.constexpr = BK // 2
-        NS: gl.constexpr = N // 32
-        NQ: gl.constexpr = (N // 2 + 31) // 32
-        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
-        x_rows = _x_rows(a_ptr, (pid_m * BLK + offs_r).to(gl.int64), N, BK, x_l)
-        g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(BN, BK, code_l, s5_l)
-        w_g = w_ptr + e.to(gl.int64) * (K * NQ * 32) + (pid_n * BN // 16 + g_c) * (NQ * 512)
-        r_s = (pid_n * BN + 16 * g_s)[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
-            + (l_s // 4)[None, None, :, None, None]
-        s_row = s_ptr + e.to(gl.int64) * (K * NS) + r_s * NS
-        gvalid = (pid_n * BN + 16 * g_c) < K
-        c_src = (w_g[:, None, None, None] + (q_c[None, :, None, None] * 32 + l_c[None, None, :, None]) * 16
-                 + b_c[None, None, None, :])
-        c_ok = gvalid[:, None, None, None] & (l_c >= 0)[None, None, :, None] & (b_c >= 0)[None, None, None, :]
-        sblk = 2 * q_s[None, :, None, None, None] + s_s[None, None, None, :, None]
-        offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
-        return c_src, c_ok, s_row + sblk, r_s < K, sblk, x_rows, offs_r < nrow, offs_hx, q_c
+        ``(c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x)``."""
+        w_g, gvalid, s_row, s_ok, x_rows, rvalid_x = _gemm2_sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N,
+                                                                    BLK, BM, BN, BK, code_l, s5_l, x_l)
+        c_src, c_ok, s_src, sblk = _operand_sources(w_g, gvalid, s_row, BN, BK, code_l, s5_l)
+        return c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x
 
     @gluon.jit
     def _first_copies(t, e, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr, BM: gl.constexpr,
-                      BN: gl.constexpr, BK: gl.constexpr, D: gl.constexpr, code_l: gl.constexpr, s5_l: gl.constexpr,
-                      x_l: gl.constexpr):
-        """Tile ``t``'s first ``D`` steps' copies into ring buffers 0 .. D - 1, a group each (what
-        ``_mainloop`` issues before its loop; an empty group past the reduction's end)."""
+                      BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, code_l: gl.constexpr,
+                      s5_l: gl.constexpr, x_l: gl.constexpr):
+        """Tile ``t``'s first STAGES - 2 steps' copies into the ring's first buffers (``_prefill``), all
+        ``BM`` rows of its block."""
         NT: gl.constexpr = (K + BN - 1) // BN
         pid_m = t // NT
         nrow = gl.load(blk_rows_ptr + pid_m)
-        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c = _sources(
-            pid_m, t % NT, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BM, BM, BN, BK, code_l, s5_l, x_l)  # (scales unused)
-        for i0 in gl.static_range(D):
-            if i0 * BK < N:
-                _copies(i0 * BK, ring[i0], c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, N // 2, (N // 2 + 31) // 32)
-            async_copy.commit_group()
+        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x = _sources(pid_m, t % NT, e, nrow, a_ptr, w_ptr, s_ptr, K, N,
+                                                                    BM, BM, BN, BK, code_l, s5_l, x_l)
+        _prefill(ring, c_src, c_ok, x_rows, rvalid_x, N, BN, BK, STAGES, code_l, x_l)
 
     @gluon.jit
     def _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr,
                    BLK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                   FOLD: gl.constexpr,
-                   mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
-                   x_l: gl.constexpr):
-        """``gluon_kernels._mainloop`` after its first copies (issued by ``_first_copies``) on the first
-        ``BM`` rows of the ``BLK``-row block (``ring``: views of that many rows): the tile's fp32
-        ``[BN, BM]`` accumulator, the ring drained (every copy landed, every warp past its reads)."""
-        BKH: gl.constexpr = BK // 2
-        D: gl.constexpr = STAGES - 2
-        KS: gl.constexpr = N // 32
-        NSTEP: gl.constexpr = (N + BK - 1) // BK
-        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c = _sources(
-            pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BLK, BM, BN, BK, code_l, s5_l, x_l)
-        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
-        acc = gl.zeros([BN, BM], gl.float32, layout=mma)
-        gl.static_assert(STAGES % 2 == 0)
-        we_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
-        wo_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
-        we_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
-        wo_b = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
-        K1: gl.constexpr = NSTEP % STAGES
-        for p in gl.static_range(K1):
-            acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b,
-                                                           ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
-                                                           sblk, x_rows, rvalid_x, N, BN, BM, BK, STAGES, FOLD, a_l,
-                                                           code_l, p7, x_l)
-        for kk in range(NSTEP // STAGES):
-            for s in gl.static_range(STAGES):
-                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a,
-                                                               wo_a, we_b, wo_b, ring[(K1 + s) % STAGES],
-                                                               ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok,
-                                                               sblk, x_rows, rvalid_x, N, BN, BM, BK, STAGES, FOLD,
-                                                               a_l, code_l, p7, x_l)
-        acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
-        async_copy.wait_group(0)
-        _barrier()
-        return acc
+                   FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr,
+                   s5_l: gl.constexpr, x_l: gl.constexpr):
+        """``gluon_kernels._steps`` of a tile whose first copies are out (``_first_copies``), on the
+        first ``BM`` rows of its ``BLK``-row block (``ring``: views of that many rows): its fp32
+        ``[BN, BM]`` accumulator, the ring drained."""
+        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x = _sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N,
+                                                                    BLK, BM, BN, BK, code_l, s5_l, x_l)
+        return _steps(ring, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, N, BN, BM, BK, STAGES, FOLD, mma, a_l,
+                      code_l, p7, x_l)
 
     # the deferred form's reductions: the previous tile's output in STAGES pieces of its tokens, one
     # after each step of the next tile's first trip (peeled, so that each step's piece is known when
@@ -238,20 +185,10 @@ if GK.HAS_GLUON:
         BN = 256, BM = 128), and the next tile's main loop issues them a piece after each of its first
         STAGES steps, so they run beside its MMAs; the last tile's go after the walk."""
         NT: gl.constexpr = (K + BN - 1) // BN
-        G: gl.constexpr = BN // 16
-        Q: gl.constexpr = BK // 64
-        BKH: gl.constexpr = BK // 2
-        D: gl.constexpr = STAGES - 2
         NSTEP: gl.constexpr = (N + BK - 1) // BK
         gl.static_assert(NSTEP >= STAGES + NSTEP % STAGES)  # (a whole trip to peel)
         gl.static_assert(BM % STAGES == 0)
-        x_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BKH * 2), element_bitwidth=16, rank=2)
-        c_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-        ring = ()
-        for i0 in gl.static_range(STAGES):
-            ring = ring + ((gl.allocate_shared_memory(gl.uint8, [G, Q, 32, 16], c_sl),
-                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl),
-                            gl.allocate_shared_memory(gl.bfloat16, [BM, BKH], x_sl)),)
+        ring = _ring(BN, BM, BK, STAGES)
         # outputs contiguous (a reduction's 4 adjacent outputs one 16-byte load), 16-byte vectors
         # swizzled across tokens (the accumulator's store: a warp's lanes on 4 tokens 2 apart)
         out_s = gl.allocate_shared_memory(gl.float32, [BN, BM], gl.SwizzledSharedLayout(4, 1, 8, [0, 1]))
@@ -260,7 +197,7 @@ if GK.HAS_GLUON:
         t = gl.program_id(0)
         e = gl.load(blk_expert_ptr + t // NT, mask=t < ntiles, other=-1)
         if e >= 0:
-            _first_copies(t, e, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, D, code_l, s5_l, x_l)
+            _first_copies(t, e, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, STAGES, code_l, s5_l, x_l)
         pm = t * 0  # the previous tile (none yet: its expert -1)
         pn = t * 0
         pe = e * 0 - 1
@@ -275,8 +212,8 @@ if GK.HAS_GLUON:
             tn = t + step
             en = gl.load(blk_expert_ptr + tn // NT, mask=tn < ntiles, other=-1)
             if en >= 0:
-                _first_copies(tn, en, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, D, code_l, s5_l,
-                              x_l)
+                _first_copies(tn, en, ring, a_ptr, blk_rows_ptr, w_ptr, s_ptr, K, N, BM, BN, BK, STAGES, code_l,
+                              s5_l, x_l)
             # (every warp read the previous tile's pieces in the first trip, and met at a barrier since)
             out_s.store(acc)
             pm = pid_m
@@ -310,14 +247,14 @@ if GK.HAS_GLUON:
                             BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr,
                             a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
                             x_l: gl.constexpr):
-        """``_tile_loop`` (full tiles) with the first trip peeled: after each of its STAGES steps, one
-        piece of the previous tile's reductions (``pe`` < 0: none)."""
+        """``_tile_loop`` (full tiles): ``gluon_kernels._steps`` with the first trip peeled, and after
+        each of its STAGES steps one piece of the previous tile's reductions (``pe`` < 0: none)."""
         BKH: gl.constexpr = BK // 2
         D: gl.constexpr = STAGES - 2
         KS: gl.constexpr = N // 32
         NSTEP: gl.constexpr = (N + BK - 1) // BK
-        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, offs_hx, q_c = _sources(
-            pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N, BM, BM, BN, BK, code_l, s5_l, x_l)
+        c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x = _sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N,
+                                                                    BM, BM, BN, BK, code_l, s5_l, x_l)
         sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         we_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
