@@ -141,7 +141,7 @@ if HAS_GLUON:
         copies (``_prefill``) and the steps (``_steps``)."""
         ring = _ring(R, BM, BK, STAGES)
         c_src, c_ok, s_src, sblk = _operand_sources(w_g, gvalid, s_row, R, BK, code_l, s5_l)
-        _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED, R, BK, STAGES, code_l, x_l)
+        _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED, BK, STAGES, code_l, x_l)
         return _steps(ring, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, mma, a_l,
                       code_l, p7, x_l)
 
@@ -176,8 +176,8 @@ if HAS_GLUON:
         return c_src, c_ok, s_row + sblk, sblk
 
     @gluon.jit
-    def _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BK: gl.constexpr,
-                 STAGES: gl.constexpr, code_l: gl.constexpr, x_l: gl.constexpr):
+    def _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                 code_l: gl.constexpr, x_l: gl.constexpr):
         """The first STAGES - 2 steps' copies into the ring's first buffers, a group each (an empty
         group past the reduction's end)."""
         BKH: gl.constexpr = BK // 2
