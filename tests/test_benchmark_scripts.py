@@ -53,15 +53,15 @@ def test_ptests_groups_run_every_gpu_test_exactly_once():
     assert all(selected), [g for g, ids in zip(groups, selected) if not ids]  # (no group selects nothing)
 
 
-def test_gemm2_epilogue_variants_still_apply(tmp_path):
-    """``experiments/gemm2_epilogue_variants.py`` edits copies of the package by exact text: each edit
+def test_variant_trees_still_apply(tmp_path):
+    """``experiments/variant_trees.py`` edits copies of the package by exact text: each edit
     must still find its text once in the current kernels (or the script stops, naming it), and
-    each edited tree must still compile as Python, so the diagnosis can be remade."""
+    each edited tree must still compile as Python, so the results it made can be remade."""
     import importlib.util
     import py_compile
 
-    path = os.path.join(ROOT, "benchmarks", "experiments", "gemm2_epilogue_variants.py")
-    spec = importlib.util.spec_from_file_location("gemm2_epilogue_variants", path)
+    path = os.path.join(ROOT, "benchmarks", "experiments", "variant_trees.py")
+    spec = importlib.util.spec_from_file_location("variant_trees", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.main(str(tmp_path))

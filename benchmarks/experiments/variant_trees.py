@@ -1,20 +1,24 @@
-"""Diagnostic copies of the package whose Gluon GEMM2 leaves out parts of its epilogue (timing only).
+"""Diagnostic and trial copies of the package, each this checkout with a few exact edits (timing only).
 
-    python benchmarks/experiments/gemm2_epilogue_variants.py OUT_DIR
-    bash benchmarks/compare_trees.sh noepi=OUT_DIR/noepi noconv=OUT_DIR/noconv st6=OUT_DIR/st6 main=. -- \\
+    python benchmarks/experiments/variant_trees.py OUT_DIR
+    bash benchmarks/compare_trees.sh noepi=OUT_DIR/noepi noconv=OUT_DIR/noconv st6=OUT_DIR/st6 main=. -- \
         --no-tune --layers 4 --reps 10 --bf16-layers 0 --diagnose --sizes 2048 8192
 
-Writes three trees (``b12x_ops`` and ``benchmarks`` of this checkout, edited) under OUT_DIR:
+Writes one tree (``b12x_ops`` and ``benchmarks`` of this checkout, edited) a variant under OUT_DIR:
 
-- ``noepi``: the epilogue's atomics (or stores) predicated off at run time, by a condition the
-  compiler cannot decide (``slot < 0``: the slot ids are loaded); the layout conversion, the
-  router weights and everything before stay. Its outputs are wrong: the benchmark's GEMM2 column is
-  what it is for. (A first version used ``nrow < 0``, which the compiler decides inside the
-  full-tile branch, ``nrow > BM / 2``: it dropped the atomics and part of the MMAs; the SASS
-  counts of ``HGMMA`` and ``REDG`` must match the package's, as they do for these edits.)
+- ``noepi``: the Gluon GEMM2 epilogue's atomics (or stores) predicated off at run time, by a
+  condition the compiler cannot decide (``slot < 0``: the slot ids are loaded); the layout
+  conversion, the router weights and everything before stay. Its outputs are wrong: the
+  benchmark's GEMM2 column is what it is for. (A first version used ``nrow < 0``, which the
+  compiler decides inside the full-tile branch, ``nrow > BM / 2``: it dropped the atomics and part
+  of the MMAs; the SASS counts of ``HGMMA`` and ``REDG`` must match the package's, as they do for
+  these edits.) ``results/gemm2_epilogue.md``.
 - ``noconv``: as ``noepi`` and without the conversion to ``_out_layout`` (the predicated-off atomics
-  issued from the accumulator's layout, 4 bytes each).
-- ``st6``: the package unchanged but for GEMM2's 128-row form in six pipeline stages (four).
+  issued from the accumulator's layout, 4 bytes each). Same file.
+- ``st6``: GEMM2's 128-row Gluon form in six pipeline stages (four). Same file.
+- ``cap2``: GEMM2's 128-row Gluon form as 8-warp programs of 128 W2 rows, capped at 128 registers
+  (``plan.gluon_maxnreg``), two an SM; ``cap12``: and GEMM1's as 8-warp programs of 64 columns.
+  ``results/gluon_128_cap.md``.
 """
 
 from __future__ import annotations
@@ -34,11 +38,18 @@ CONVERT = ("        out_l: gl.constexpr = _out_layout(BN, BM, gl.num_warps())\n"
 NO_CONVERT = "        out_l: gl.constexpr = acc.type.layout\n"
 GEMM2 = "GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)"
 GEMM2_ST6 = "GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=6, warps2=16)"
+GEMM2_8W = "GLUON_GEMM2 = dict(bn2=128, bk2=64, stages2=4, warps2=8)"
+GEMM1 = "GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=16)"
+GEMM1_8W = "GLUON_GEMM1 = dict(bn1=64, bk1=64, stages1=4, warps1=8)"
+CAP = "    return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 else None"
+CAP_128 = "    return 128 if (bm, warps) == (128, 8) else GLUON_BM64_MAXNREG if (bm, warps) == (64, 8) else None"
 
 VARIANTS = {
     "noepi": [(GK, MASK, MASK_OFF)],
     "noconv": [(GK, MASK, MASK_OFF), (GK, CONVERT, NO_CONVERT)],
     "st6": [(PLAN, GEMM2, GEMM2_ST6)],
+    "cap2": [(PLAN, GEMM2, GEMM2_8W), (PLAN, CAP, CAP_128)],
+    "cap12": [(PLAN, GEMM2, GEMM2_8W), (PLAN, CAP, CAP_128), (PLAN, GEMM1, GEMM1_8W)],
 }
 
 
