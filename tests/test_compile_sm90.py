@@ -210,7 +210,8 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
     main loop (the compiler's barrier analysis adding none between a step's copies and its reads;
     triton 3.9's adds one a loop trip, at the back edge), shared memory within an SM's, and no local
     memory (16-warp tiles keep a few bytes of stack at their 128-register cap, the 64-row ones at
-    theirs), and the epilogues' global writes 8 or 16 bytes wide (GEMM2 in both reduction modes)."""
+    theirs), and the epilogues' global writes 8 or 16 bytes wide (GEMM2 in both reduction modes; GEMM1
+    also where it zeroes GEMM2's accumulator)."""
     import dataclasses
     import re
 
@@ -227,9 +228,12 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
              (1, dataclasses.replace(big, bm=64, bn1=64)), (1, dataclasses.replace(big, bm=32, bn1=64)),
              (2, dataclasses.replace(big, bm=32, gluon2=True, **P.GLUON_GEMM2_SMALL)),
              (2, dataclasses.replace(big, bm=64, gluon2=True, **P.GLUON_GEMM2_SMALL)),
-             (2, dataclasses.replace(big, gluon2=True, atomic=not big.atomic, **P.GLUON_GEMM2))]
+             (2, dataclasses.replace(big, gluon2=True, atomic=not big.atomic, **P.GLUON_GEMM2)),
+             # (GEMM1 zeroing GEMM2's accumulator first, ``plan.acc_zero_in_gemm1``: 16-byte stores too)
+             (1, dataclasses.replace(big, atomic=True)), (1, dataclasses.replace(big, bm=64, bn1=64, atomic=True))]
     for which, cfg in forms:
         ln = gp.stages(cfg, 8192)[which]
+        assert which == 2 or ln.constexprs["ZERO_ACC"] == cfg.atomic, (cfg, ln.constexprs["ZERO_ACC"])
         assert ln.options.get("maxnreg") == (P.GLUON_BM64_MAXNREG if cfg.bm == 64 else None)
         ck = offline.compile_launch(ln, 90)
         ptx, what = ck.asm["ptx"], (which, cfg.tiles1(), cfg.tiles2())

@@ -488,6 +488,51 @@ def test_gpu_gluon_gemms_match_tl_gemms(name):
                 assert rel_l2(out, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, (name, M, bm, atomic)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "odd-ep"])
+def test_gpu_gluon_gemm1_zeroes_the_accumulator(name, monkeypatch):
+    """Atomic plans with the Gluon GEMM1 zero GEMM2's fp32 accumulator there, not in the prologue
+    (``plan.acc_zero_in_gemm1``, sm_90): over an accumulator of sevens the prologue leaves it, GEMM1
+    zeroes its first M rows and nothing past them, at 37 and 700 tokens and 32-, 64- and 128-row
+    blocks (programs of one row to several); the whole op then stays within the reference's bound
+    and within the atomics' reordering of the output with the zeros in the prologue
+    (``B12X_OPS_TRITON_ACC_ZERO=prologue``)."""
+    import dataclasses
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import gluon_kernels as GK
+    from b12x_ops.backends.triton import plan as P
+
+    if torch.cuda.get_device_capability() != (9, 0) or not GK.HAS_GLUON:
+        pytest.skip("the Gluon GEMMs need sm_90 (wgmma) and triton's Gluon")
+    layer = make_layer(seed=sum(map(ord, name)) + 5, device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    h = layer.prepare(backend="triton", tune=False, gemv=False, max_tokens=700, frozen=False)
+    st, gp = h._state, h._state.plans
+    K = gp.geometry.hidden_size
+    for i, M in enumerate((37, 700)):
+        x, ids, w = make_batch(layer, M, seed=120 + i, device="cuda", padding_rows=3)
+        want = b12x_ops.moe_w4a8(x, ids, w, ref)
+        for bm in (32, 64, 128):
+            cfg = gp.with_gluon(dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=bm, atomic=True))
+            assert cfg.gluon and P.acc_zero_in_gemm1(cfg), (name, M, bm)
+            gp.reserve(M, cfg)
+            acc = gp.arena.buffers["acc"]
+            acc.fill_(7)
+            out = torch.empty_like(x)
+            _launch_all(st, cfg, x, ids, w, out, stages=("prologue",))
+            assert bool((acc == 7).all()), (name, M, bm, "the prologue wrote the accumulator")
+            _launch_all(st, cfg, x, ids, w, out, stages=("gemm1",))
+            assert bool((acc[:M * K] == 0).all()) and bool((acc[M * K:] == 7).all()), (name, M, bm)  # (past M: the
+            # arena's room for 700 tokens)
+            _launch_all(st, cfg, x, ids, w, out, stages=("gemm2", "finalize"))
+            assert rel_l2(out, want) <= 1e-2, (name, M, bm, rel_l2(out, want))
+            monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", "prologue")
+            before = torch.empty_like(x)
+            _launch_all(st, cfg, x, ids, w, before)
+            monkeypatch.delenv("B12X_OPS_TRITON_ACC_ZERO")
+            assert rel_l2(out, before) <= 1e-3, (name, M, bm, rel_l2(out, before))
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])
 def test_gpu_half_tiles_write_what_full_tiles_write(name, monkeypatch):
     """A block of at most half its rows runs the half tile (``plan.half_tiles``), in the tl.dot and

@@ -180,6 +180,35 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
 
 
 @pytest.mark.parametrize("name", list(GEOS))
+def test_the_accumulator_is_zeroed_once_by_gluon_gemm1_or_the_prologue(name, monkeypatch):
+    """GEMM2's fp32 accumulator is zeroed by exactly one launch of an atomic blocked plan: the
+    Gluon GEMM1 where the plan has it (``acc_zero_in_gemm1``), else the prologue, and by neither in
+    the deterministic form (no accumulator) or on the GEMV path (no GEMM2 accumulator);
+    ``B12X_OPS_TRITON_ACC_ZERO=prologue`` puts the zeros back in the prologue, in launches of their own."""
+    import dataclasses
+
+    g = geometry(*GEOS[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
+    gp.gluon = True  # (as an sm_90 prepare sets it)
+    monkeypatch.delenv("B12X_OPS_TRITON_ACC_ZERO", raising=False)
+    seen = set()
+    for tokens in (1, 16, 512, 2048, 8192):
+        for atomic in (True, False):
+            cfg = dataclasses.replace(gp.with_gluon(P.default_config(tokens, g)), atomic=atomic)
+            for where in ("gemm1", "prologue"):
+                monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", where)
+                pro, g1 = gp.stages(cfg, tokens)[:2]
+                by_g1 = bool(g1.constexprs.get("ZERO_ACC", False))
+                by_pro = bool(pro is not None and pro.constexprs.get("ZERO_ACC", False))
+                assert by_g1 == P.acc_zero_in_gemm1(cfg) == (atomic and cfg.gluon and where == "gemm1"), (tokens, cfg)
+                assert by_pro == (atomic and not cfg.gemv and not by_g1), (tokens, cfg, where)
+                seen.add((by_g1, by_pro))
+            monkeypatch.delenv("B12X_OPS_TRITON_ACC_ZERO")
+            assert P.acc_zero_in_gemm1(cfg) == (atomic and cfg.gluon)  # (the default: GEMM1)
+    assert {(True, False), (False, True), (False, False)} <= seen
+
+
+@pytest.mark.parametrize("name", list(GEOS))
 @pytest.mark.parametrize("tokens", [16, 512, 2048, 8192])
 def test_tuner_times_the_gluon_gemms_where_they_run(name, tokens):
     """On a GPU that runs the Gluon GEMMs (``gluon=True``) the tuner also times GEMM1 and GEMM2 in

@@ -400,7 +400,13 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
            _as(ids, _I32, ln), _as(w, _I16, ln), _as(x, _I16, ln), xq, a["acc"], a["lid"], a["wts"], a["sorted"],
            a["blk_expert"], a["blk_rows"], a["route_cnt"], a["route_key"], a["route_off"], m, si0, si1, sw0, sw1,
            x.stride(0), state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
-    if "gemm1" in stages:
+    if "gemm1" in stages and cfg.gluon:  # (and GEMM2's accumulator zeroed, ``plan.acc_zero_in_gemm1``)
+        p1 = nb * rn.n_tiles1
+        rn.gemm1(
+            (p1, 1, 1),
+            xq, a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act, a["acc"], nb,
+            state.limit, -(-m // p1), m)
+    elif "gemm1" in stages:
         rn.gemm1(
             (nb * rn.n_tiles1, 1, 1),
             xq, a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act, nb,

@@ -322,20 +322,39 @@ if HAS_GLUON:
         offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
         return ptr + row[:, None] * RED + (32 * (offs_hx // 16) + offs_hx % 16)[None, :]
 
-    @gluon.jit(do_not_specialize=("nblocks",))
+    @gluon.jit
+    def _zero_rows(acc_ptr, zrows, M, K: gl.constexpr, NW: gl.constexpr):
+        """Zero rows ``[pid * zrows, (pid + 1) * zrows)`` of the ``[M, K]`` fp32 ``acc``, 16 bytes a
+        store: the share of a GEMM1 program (``ZERO_ACC``)."""
+        CH: gl.constexpr = 4 * 32 * NW
+        z_l: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
+        offs = gl.arange(0, CH, layout=z_l)
+        zero = gl.zeros([CH], gl.float32, z_l)
+        r0 = gl.program_id(0) * zrows
+        for r in range(r0, gl.minimum(r0 + zrows, M)):
+            row = acc_ptr + r.to(gl.int64) * K
+            for c in gl.static_range(0, K, CH):
+                gl.store(row + c + offs, zero, mask=(c + offs) < K)
+
+    @gluon.jit(do_not_specialize=("nblocks", "zrows", "M"))
     def gemm1_gluon_kernel(
-        xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr,
-        nblocks, limit,
+        xq_ptr, sorted_ptr, blk_expert_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, acc_ptr,
+        nblocks, limit, zrows, M,
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
         BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
         code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr, mma_h: gl.constexpr,
-        a_l_h: gl.constexpr, HALF: gl.constexpr,
+        a_l_h: gl.constexpr, HALF: gl.constexpr, ZERO_ACC: gl.constexpr,
     ):
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
         an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``.
-        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s)."""
+        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s).
+        ``ZERO_ACC``: every program first zeroes its ``zrows`` rows of GEMM2's fp32 accumulator
+        ``acc`` (``[M, K]``), in the prologue's place: fire-and-forget stores beside a
+        compute-bound kernel instead of the prologue's largest write."""
+        if ZERO_ACC:
+            _zero_rows(acc_ptr, zrows, M, K, BN // 8)
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
         if e < 0:
             return

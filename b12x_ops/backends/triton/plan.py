@@ -264,6 +264,16 @@ def half_tiles(bm: int) -> bool:
     return bm >= HALF_MIN_BM and os.environ.get("B12X_OPS_TRITON_HALF", "1") == "1"
 
 
+# Atomic plans with the Gluon GEMM1 zero GEMM2's fp32 accumulator there (every GEMM1 program its
+# share of rows, 16-byte stores before its main loop) instead of in the prologue's quantizing
+# programs, where the zeros were half the bytes (``gluon_kernels.gemm1_gluon_kernel``'s ``ZERO_ACC``).
+# B12X_OPS_TRITON_ACC_ZERO=prologue keeps them in the prologue.
+def acc_zero_in_gemm1(cfg: Config) -> bool:
+    """Whether ``cfg``'s GEMM1 zeroes the accumulator (else its prologue does, if atomic)."""
+    return cfg.atomic and cfg.gluon and not cfg.gemv and os.environ.get("B12X_OPS_TRITON_ACC_ZERO",
+                                                                         "gemm1") != "prologue"
+
+
 def half_tiles_status() -> str:
     """Whether the GEMMs take half tiles, and from which block size (``b12x-ops info``)."""
     if half_tiles(HALF_MIN_BM):
@@ -815,7 +825,7 @@ class GeometryPlans:
         elif kind == "prologue":
             rt, nbt = route_tiles(None if tokens is None else tokens * g.top_k, g.num_experts, cfg.bm)
             qs = quant_pieces(tokens, g.hidden_size)
-            key = (kind, cfg.bm, cfg.atomic, rt, nbt, qs)
+            key = (kind, cfg.bm, cfg.atomic and not acc_zero_in_gemm1(cfg), rt, nbt, qs)
         elif kind == "gemm1" and cfg.fused:
             key = ("gemv_fused",) + cfg.tiles1() + cfg.tiles2()
         elif kind == "gemm1" and cfg.gemv:
@@ -823,7 +833,7 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2_mma" if cfg.mma else "gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
-            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1)
+            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1, acc_zero_in_gemm1(cfg))
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
@@ -850,7 +860,7 @@ class GeometryPlans:
             p = PROLOGUE
             ln = mk(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, RT=rt,
                                              NBT=nbt, QR=p["QR"], QK=p["QK"], QS=qs,
-                                             ZERO_ACC=cfg.atomic),
+                                             ZERO_ACC=cfg.atomic and not acc_zero_in_gemm1(cfg)),
                     p["warps"], 1)
         elif cfg.gemv and cfg.mma:  # (gluon_gemv: the constexprs, then the layouts)
             self._check_mma(cfg)
@@ -886,7 +896,8 @@ class GeometryPlans:
                       BK=cfg.bk1, FOLD=self.fold, HALF=half)
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
-                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, **GK.layouts(2 * cfg.bn1, cfg.bm)),
+                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, ZERO_ACC=acc_zero_in_gemm1(cfg),
+                                                    **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1, gluon_maxnreg(cfg.bm, cfg.bn1 // 8))
             else:
                 ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
