@@ -200,7 +200,7 @@ def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 @pytest.mark.parametrize("fold", [True, False])
-def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
+def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold, monkeypatch):
     """The Gluon GEMMs (``gluon_kernels``; GEMM1 by default on sm_90, ``plan.gluon_status``) compile for
     sm_90: the decode's asm in the wgmma operand's register layout (the kernels' ``assert_trivial``
     conversions would fail the compile otherwise), the main loop's wait leaving the step's two MMAs
@@ -230,10 +230,14 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold):
              (2, dataclasses.replace(big, bm=64, gluon2=True, **P.GLUON_GEMM2_SMALL)),
              (2, dataclasses.replace(big, gluon2=True, atomic=not big.atomic, **P.GLUON_GEMM2)),
              # (GEMM1 zeroing GEMM2's accumulator first, ``plan.acc_zero_in_gemm1``: 16-byte stores too)
-             (1, dataclasses.replace(big, atomic=True)), (1, dataclasses.replace(big, bm=64, bn1=64, atomic=True))]
+             (1, dataclasses.replace(big, atomic=True)), (1, dataclasses.replace(big, bm=64, bn1=64, atomic=True)),
+             ("gemm1_last", dataclasses.replace(big, atomic=True))]
     for which, cfg in forms:
+        where = which if isinstance(which, str) else "gemm1"  # (where GEMM1 zeroes the accumulator)
+        which = 1 if isinstance(which, str) else which
+        monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", where)
         ln = gp.stages(cfg, 8192)[which]
-        assert which == 2 or ln.constexprs["ZERO_ACC"] == cfg.atomic, (cfg, ln.constexprs["ZERO_ACC"])
+        assert which == 2 or ln.constexprs["ZERO_ACC"] == (P.ACC_ZERO_MODES[where] if cfg.atomic else 0), cfg
         assert ln.options.get("maxnreg") == (P.GLUON_BM64_MAXNREG if cfg.bm == 64 else None)
         ck = offline.compile_launch(ln, 90)
         ptx, what = ck.asm["ptx"], (which, cfg.tiles1(), cfg.tiles2())

@@ -492,8 +492,9 @@ def test_gpu_gluon_gemms_match_tl_gemms(name):
 def test_gpu_gluon_gemm1_zeroes_the_accumulator(name, monkeypatch):
     """Atomic plans with the Gluon GEMM1 zero GEMM2's fp32 accumulator there, not in the prologue
     (``plan.acc_zero_in_gemm1``, sm_90): over an accumulator of sevens the prologue leaves it, GEMM1
-    zeroes its first M rows and nothing past them, at 37 and 700 tokens and 32-, 64- and 128-row
-    blocks (programs of one row to several); the whole op then stays within the reference's bound
+    zeroes its first M rows and nothing past them (before its main loop or after its epilogue, both
+    places), at 37 and 700 tokens and 32-, 64- and 128-row blocks (programs of one row to several),
+    the padding blocks' programs too; the whole op then stays within the reference's bound
     and within the atomics' reordering of the output with the zeros in the prologue
     (``B12X_OPS_TRITON_ACC_ZERO=prologue``)."""
     import dataclasses
@@ -512,7 +513,8 @@ def test_gpu_gluon_gemm1_zeroes_the_accumulator(name, monkeypatch):
     for i, M in enumerate((37, 700)):
         x, ids, w = make_batch(layer, M, seed=120 + i, device="cuda", padding_rows=3)
         want = b12x_ops.moe_w4a8(x, ids, w, ref)
-        for bm in (32, 64, 128):
+        for bm, where in [(bm, where) for bm in (32, 64, 128) for where in ("gemm1", "gemm1_last")]:
+            monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", where)
             cfg = gp.with_gluon(dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=bm, atomic=True))
             assert cfg.gluon and P.acc_zero_in_gemm1(cfg), (name, M, bm)
             gp.reserve(M, cfg)
@@ -522,15 +524,14 @@ def test_gpu_gluon_gemm1_zeroes_the_accumulator(name, monkeypatch):
             _launch_all(st, cfg, x, ids, w, out, stages=("prologue",))
             assert bool((acc == 7).all()), (name, M, bm, "the prologue wrote the accumulator")
             _launch_all(st, cfg, x, ids, w, out, stages=("gemm1",))
-            assert bool((acc[:M * K] == 0).all()) and bool((acc[M * K:] == 7).all()), (name, M, bm)  # (past M: the
-            # arena's room for 700 tokens)
+            # (past M: the arena's room for 700 tokens, untouched)
+            assert bool((acc[:M * K] == 0).all()) and bool((acc[M * K:] == 7).all()), (name, M, bm, where)
             _launch_all(st, cfg, x, ids, w, out, stages=("gemm2", "finalize"))
             assert rel_l2(out, want) <= 1e-2, (name, M, bm, rel_l2(out, want))
             monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", "prologue")
             before = torch.empty_like(x)
             _launch_all(st, cfg, x, ids, w, before)
-            monkeypatch.delenv("B12X_OPS_TRITON_ACC_ZERO")
-            assert rel_l2(out, before) <= 1e-3, (name, M, bm, rel_l2(out, before))
+            assert rel_l2(out, before) <= 1e-3, (name, M, bm, where, rel_l2(out, before))
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])

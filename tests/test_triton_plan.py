@@ -182,9 +182,10 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
 @pytest.mark.parametrize("name", list(GEOS))
 def test_the_accumulator_is_zeroed_once_by_gluon_gemm1_or_the_prologue(name, monkeypatch):
     """GEMM2's fp32 accumulator is zeroed by exactly one launch of an atomic blocked plan: the
-    Gluon GEMM1 where the plan has it (``acc_zero_in_gemm1``), else the prologue, and by neither in
-    the deterministic form (no accumulator) or on the GEMV path (no GEMM2 accumulator);
-    ``B12X_OPS_TRITON_ACC_ZERO=prologue`` puts the zeros back in the prologue, in launches of their own."""
+    Gluon GEMM1 where the plan has it (``acc_zero_mode``: before its main loop or after its
+    epilogue), else the prologue, and by neither in the deterministic form (no accumulator) or on the
+    GEMV path (no GEMM2 accumulator); ``B12X_OPS_TRITON_ACC_ZERO`` picks the place, each in launches
+    of its own, and an unknown place is an error naming the variable."""
     import dataclasses
 
     g = geometry(*GEOS[name])
@@ -195,17 +196,21 @@ def test_the_accumulator_is_zeroed_once_by_gluon_gemm1_or_the_prologue(name, mon
     for tokens in (1, 16, 512, 2048, 8192):
         for atomic in (True, False):
             cfg = dataclasses.replace(gp.with_gluon(P.default_config(tokens, g)), atomic=atomic)
-            for where in ("gemm1", "prologue"):
+            for where, mode in P.ACC_ZERO_MODES.items():
                 monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", where)
                 pro, g1 = gp.stages(cfg, tokens)[:2]
-                by_g1 = bool(g1.constexprs.get("ZERO_ACC", False))
+                by_g1 = g1.constexprs.get("ZERO_ACC", 0)
                 by_pro = bool(pro is not None and pro.constexprs.get("ZERO_ACC", False))
-                assert by_g1 == P.acc_zero_in_gemm1(cfg) == (atomic and cfg.gluon and where == "gemm1"), (tokens, cfg)
+                assert by_g1 == P.acc_zero_mode(cfg) == (mode if atomic and cfg.gluon else 0), (tokens, cfg, where)
                 assert by_pro == (atomic and not cfg.gemv and not by_g1), (tokens, cfg, where)
                 seen.add((by_g1, by_pro))
             monkeypatch.delenv("B12X_OPS_TRITON_ACC_ZERO")
-            assert P.acc_zero_in_gemm1(cfg) == (atomic and cfg.gluon)  # (the default: GEMM1)
-    assert {(True, False), (False, True), (False, False)} <= seen
+            want = P.ACC_ZERO_MODES[P.ACC_ZERO_DEFAULT] if atomic and cfg.gluon else 0
+            assert P.acc_zero_mode(cfg) == want
+    assert {(1, False), (2, False), (0, True), (0, False)} <= seen
+    monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", "epilogue")
+    with pytest.raises(ValueError, match="B12X_OPS_TRITON_ACC_ZERO='epilogue'"):
+        P.acc_zero_mode(dataclasses.replace(gp.with_gluon(P.default_config(8192, g)), atomic=True))
 
 
 @pytest.mark.parametrize("name", list(GEOS))

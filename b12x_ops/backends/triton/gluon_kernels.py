@@ -350,13 +350,15 @@ if HAS_GLUON:
         warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
         an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``.
         ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s).
-        ``ZERO_ACC``: every program first zeroes its ``zrows`` rows of GEMM2's fp32 accumulator
-        ``acc`` (``[M, K]``), in the prologue's place: fire-and-forget stores beside a
-        compute-bound kernel instead of the prologue's largest write."""
-        if ZERO_ACC:
+        ``ZERO_ACC`` 1 or 2: every program zeroes its ``zrows`` rows of GEMM2's fp32 accumulator
+        ``acc`` (``[M, K]``) first (1) or last (2), in the prologue's place: fire-and-forget stores
+        beside a compute-bound kernel instead of the prologue's largest write."""
+        if ZERO_ACC == 1:
             _zero_rows(acc_ptr, zrows, M, K, BN // 8)
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
         if e < 0:
+            if ZERO_ACC == 2:
+                _zero_rows(acc_ptr, zrows, M, K, BN // 8)
             return
         nrow = gl.load(blk_rows_ptr + pid_m)
         if HALF:
@@ -371,6 +373,8 @@ if HAS_GLUON:
         else:
             _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
                          UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
+        if ZERO_ACC == 2:
+            _zero_rows(acc_ptr, zrows, M, K, BN // 8)
 
     @gluon.jit
     def _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K: gl.constexpr,

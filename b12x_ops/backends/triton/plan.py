@@ -264,14 +264,30 @@ def half_tiles(bm: int) -> bool:
     return bm >= HALF_MIN_BM and os.environ.get("B12X_OPS_TRITON_HALF", "1") == "1"
 
 
-# Atomic plans with the Gluon GEMM1 zero GEMM2's fp32 accumulator there (every GEMM1 program its
-# share of rows, 16-byte stores before its main loop) instead of in the prologue's quantizing
-# programs, where the zeros were half the bytes (``gluon_kernels.gemm1_gluon_kernel``'s ``ZERO_ACC``).
-# B12X_OPS_TRITON_ACC_ZERO=prologue keeps them in the prologue.
+# Atomic plans with the Gluon GEMM1 may zero GEMM2's fp32 accumulator there (every GEMM1 program its
+# share of rows, 16-byte stores) instead of in the prologue's quantizing programs, where the zeros
+# are half the bytes (``gluon_kernels.gemm1_gluon_kernel``'s ``ZERO_ACC``).
+# B12X_OPS_TRITON_ACC_ZERO: prologue, gemm1 (before the program's main loop) or gemm1_last (after its
+# epilogue).
+ACC_ZERO_MODES = {"prologue": 0, "gemm1": 1, "gemm1_last": 2}
+ACC_ZERO_DEFAULT = "gemm1_last"
+
+
+def acc_zero_mode(cfg: Config) -> int:
+    """Where ``cfg``'s GEMM1 zeroes the accumulator (``ACC_ZERO_MODES``; 0: it does not, and the
+    prologue does if the plan is atomic)."""
+    if not (cfg.atomic and cfg.gluon and not cfg.gemv):
+        return 0
+    where = os.environ.get("B12X_OPS_TRITON_ACC_ZERO", ACC_ZERO_DEFAULT)
+    if where not in ACC_ZERO_MODES:
+        raise ValueError(f"b12x_ops triton backend: B12X_OPS_TRITON_ACC_ZERO={where!r}: "
+                         f"expected one of {', '.join(ACC_ZERO_MODES)}")
+    return ACC_ZERO_MODES[where]
+
+
 def acc_zero_in_gemm1(cfg: Config) -> bool:
     """Whether ``cfg``'s GEMM1 zeroes the accumulator (else its prologue does, if atomic)."""
-    return cfg.atomic and cfg.gluon and not cfg.gemv and os.environ.get("B12X_OPS_TRITON_ACC_ZERO",
-                                                                         "gemm1") != "prologue"
+    return acc_zero_mode(cfg) > 0
 
 
 def half_tiles_status() -> str:
@@ -833,7 +849,7 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2_mma" if cfg.mma else "gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
-            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1, acc_zero_in_gemm1(cfg))
+            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1, acc_zero_mode(cfg))
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
@@ -896,7 +912,7 @@ class GeometryPlans:
                       BK=cfg.bk1, FOLD=self.fold, HALF=half)
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
-                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, ZERO_ACC=acc_zero_in_gemm1(cfg),
+                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, ZERO_ACC=acc_zero_mode(cfg),
                                                     **GK.layouts(2 * cfg.bn1, cfg.bm)),
                         cfg.bn1 // 8, 1, gluon_maxnreg(cfg.bm, cfg.bn1 // 8))
             else:
