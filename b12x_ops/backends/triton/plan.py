@@ -267,10 +267,12 @@ def half_tiles(bm: int) -> bool:
 # Atomic plans with the Gluon GEMM1 may zero GEMM2's fp32 accumulator there (every GEMM1 program its
 # share of rows, 16-byte stores) instead of in the prologue's quantizing programs, where the zeros
 # are half the bytes (``gluon_kernels.gemm1_gluon_kernel``'s ``ZERO_ACC``).
-# B12X_OPS_TRITON_ACC_ZERO: prologue, gemm1 (before the program's main loop) or gemm1_last (after its
-# epilogue).
+# B12X_OPS_TRITON_ACC_ZERO: prologue (the default), gemm1 (before the program's main loop) or
+# gemm1_last (after its epilogue). H200, the three places side by side (``results/acc_zero.md``):
+# the prologue 12-36 us shorter at 8192 tokens and GEMM1 about as much longer; whole op -2.3 to
+# +1.7 %, a loss on Qwen3: not the default.
 ACC_ZERO_MODES = {"prologue": 0, "gemm1": 1, "gemm1_last": 2}
-ACC_ZERO_DEFAULT = "gemm1_last"
+ACC_ZERO_DEFAULT = "prologue"
 
 
 def acc_zero_mode(cfg: Config) -> int:
