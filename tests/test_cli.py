@@ -89,6 +89,15 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
     assert _field(info, half).group(1).startswith("on: in plans of 64-row blocks or more, a block holding at most half")
     monkeypatch.setenv("B12X_OPS_TRITON_HALF", "0")
     assert _field(_cli("info", "--device", "cpu").stdout, half).group(1) == "off (B12X_OPS_TRITON_HALF=0)"
+    # where GEMM2's accumulator is zeroed: the prologue by default, the Gluon GEMM1 when asked, and a
+    # place it does not know named
+    acc = r"^triton GEMM2 accumulator zeroed by: (.*)$"
+    assert _field(info, acc).group(1).startswith("the prologue (B12X_OPS_TRITON_ACC_ZERO=gemm1 or gemm1_last")
+    monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", "gemm1_last")
+    assert _field(_cli("info", "--device", "cpu").stdout, acc).group(1).startswith(
+        "the Gluon GEMM1, after its epilogue, where a plan has it")
+    monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", "epilogue")
+    assert "invalid B12X_OPS_TRITON_ACC_ZERO='epilogue'" in _field(_cli("info", "--device", "cpu").stdout, acc).group(1)
 
 
 @pytest.mark.parametrize("backend", ["b12x", "triton"])

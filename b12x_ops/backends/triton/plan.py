@@ -292,6 +292,19 @@ def acc_zero_in_gemm1(cfg: Config) -> bool:
     return acc_zero_mode(cfg) > 0
 
 
+def acc_zero_status() -> str:
+    """Which launch zeroes GEMM2's accumulator in atomic blocked plans (``b12x-ops info``); an unknown
+    ``B12X_OPS_TRITON_ACC_ZERO`` is named here as at prepare."""
+    where = os.environ.get("B12X_OPS_TRITON_ACC_ZERO", ACC_ZERO_DEFAULT)
+    if where not in ACC_ZERO_MODES:
+        return f"invalid B12X_OPS_TRITON_ACC_ZERO={where!r}: expected one of {', '.join(ACC_ZERO_MODES)}"
+    if where == "prologue":
+        return ("the prologue (B12X_OPS_TRITON_ACC_ZERO=gemm1 or gemm1_last moves it to the Gluon GEMM1, "
+                "before its main loop or after its epilogue)")
+    return (f"the Gluon GEMM1, {'before its main loop' if where == 'gemm1' else 'after its epilogue'}, where a plan "
+            "has it, else the prologue (B12X_OPS_TRITON_ACC_ZERO)")
+
+
 def half_tiles_status() -> str:
     """Whether the GEMMs take half tiles, and from which block size (``b12x-ops info``)."""
     if half_tiles(HALF_MIN_BM):
