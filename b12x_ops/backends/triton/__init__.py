@@ -400,7 +400,8 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
            _as(ids, _I32, ln), _as(w, _I16, ln), _as(x, _I16, ln), xq, a["acc"], a["lid"], a["wts"], a["sorted"],
            a["blk_expert"], a["blk_rows"], a["route_cnt"], a["route_key"], a["route_off"], m, si0, si1, sw0, sw1,
            x.stride(0), state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
-    if "gemm1" in stages and cfg.gluon:  # (and GEMM2's accumulator zeroed, ``plan.acc_zero_in_gemm1``)
+    if "gemm1" in stages and cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked:
+        # plan.acc_zero_mode)
         p1 = nb * rn.n_tiles1
         rn.gemm1(
             (p1, 1, 1),
