@@ -229,12 +229,11 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold, monk
              (2, dataclasses.replace(big, bm=32, gluon2=True, **P.GLUON_GEMM2_SMALL)),
              (2, dataclasses.replace(big, bm=64, gluon2=True, **P.GLUON_GEMM2_SMALL)),
              (2, dataclasses.replace(big, gluon2=True, atomic=not big.atomic, **P.GLUON_GEMM2)),
-             # (GEMM1 zeroing GEMM2's accumulator first, ``plan.acc_zero_in_gemm1``: 16-byte stores too)
-             (1, dataclasses.replace(big, atomic=True)), (1, dataclasses.replace(big, bm=64, bn1=64, atomic=True)),
-             ("gemm1_last", dataclasses.replace(big, atomic=True))]
-    for which, cfg in forms:
-        where = which if isinstance(which, str) else "gemm1"  # (where GEMM1 zeroes the accumulator)
-        which = 1 if isinstance(which, str) else which
+             # (GEMM1 zeroing GEMM2's accumulator, ``plan.acc_zero_mode``: 16-byte stores too)
+             (1, dataclasses.replace(big, atomic=True)), (1, dataclasses.replace(big, bm=64, bn1=64, atomic=True))]
+    # (where GEMM1 zeroes the accumulator in atomic plans: first, and once last)
+    forms = [(which, cfg, "gemm1") for which, cfg in forms] + [(1, dataclasses.replace(big, atomic=True), "gemm1_last")]
+    for which, cfg, where in forms:
         monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", where)
         ln = gp.stages(cfg, 8192)[which]
         assert which == 2 or ln.constexprs["ZERO_ACC"] == (P.ACC_ZERO_MODES[where] if cfg.atomic else 0), cfg

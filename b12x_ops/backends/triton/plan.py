@@ -275,15 +275,22 @@ ACC_ZERO_MODES = {"prologue": 0, "gemm1": 1, "gemm1_last": 2}
 ACC_ZERO_DEFAULT = "prologue"
 
 
+def _acc_zero_place() -> tuple[str, str | None]:
+    """``B12X_OPS_TRITON_ACC_ZERO`` (or the default) and, for a place it does not know, what is wrong."""
+    where = os.environ.get("B12X_OPS_TRITON_ACC_ZERO", ACC_ZERO_DEFAULT)
+    if where in ACC_ZERO_MODES:
+        return where, None
+    return where, f"B12X_OPS_TRITON_ACC_ZERO={where!r}: expected one of {', '.join(ACC_ZERO_MODES)}"
+
+
 def acc_zero_mode(cfg: Config) -> int:
     """Where ``cfg``'s GEMM1 zeroes the accumulator (``ACC_ZERO_MODES``; 0: it does not, and the
     prologue does if the plan is atomic)."""
     if not (cfg.atomic and cfg.gluon and not cfg.gemv):
         return 0
-    where = os.environ.get("B12X_OPS_TRITON_ACC_ZERO", ACC_ZERO_DEFAULT)
-    if where not in ACC_ZERO_MODES:
-        raise ValueError(f"b12x_ops triton backend: B12X_OPS_TRITON_ACC_ZERO={where!r}: "
-                         f"expected one of {', '.join(ACC_ZERO_MODES)}")
+    where, wrong = _acc_zero_place()
+    if wrong:
+        raise ValueError(f"b12x_ops triton backend: {wrong}")
     return ACC_ZERO_MODES[where]
 
 
@@ -295,9 +302,9 @@ def acc_zero_in_gemm1(cfg: Config) -> bool:
 def acc_zero_status() -> str:
     """Which launch zeroes GEMM2's accumulator in atomic blocked plans (``b12x-ops info``); an unknown
     ``B12X_OPS_TRITON_ACC_ZERO`` is named here as at prepare."""
-    where = os.environ.get("B12X_OPS_TRITON_ACC_ZERO", ACC_ZERO_DEFAULT)
-    if where not in ACC_ZERO_MODES:
-        return f"invalid B12X_OPS_TRITON_ACC_ZERO={where!r}: expected one of {', '.join(ACC_ZERO_MODES)}"
+    where, wrong = _acc_zero_place()
+    if wrong:
+        return f"invalid {wrong}"
     if where == "prologue":
         return ("the prologue (B12X_OPS_TRITON_ACC_ZERO=gemm1 or gemm1_last moves it to the Gluon GEMM1, "
                 "before its main loop or after its epilogue)")
@@ -856,7 +863,8 @@ class GeometryPlans:
         elif kind == "prologue":
             rt, nbt = route_tiles(None if tokens is None else tokens * g.top_k, g.num_experts, cfg.bm)
             qs = quant_pieces(tokens, g.hidden_size)
-            key = (kind, cfg.bm, cfg.atomic and not acc_zero_in_gemm1(cfg), rt, nbt, qs)
+            zero_acc = cfg.atomic and not acc_zero_in_gemm1(cfg)  # (else GEMM1 zeroes it, or nothing needs it)
+            key = (kind, cfg.bm, zero_acc, rt, nbt, qs)
         elif kind == "gemm1" and cfg.fused:
             key = ("gemv_fused",) + cfg.tiles1() + cfg.tiles2()
         elif kind == "gemm1" and cfg.gemv:
@@ -891,7 +899,7 @@ class GeometryPlans:
             p = PROLOGUE
             ln = mk(K_.prologue_kernel, dict(common, E=g.num_experts, E_PAD=self.e_pad, BM=cfg.bm, RT=rt,
                                              NBT=nbt, QR=p["QR"], QK=p["QK"], QS=qs,
-                                             ZERO_ACC=cfg.atomic and not acc_zero_in_gemm1(cfg)),
+                                             ZERO_ACC=zero_acc),
                     p["warps"], 1)
         elif cfg.gemv and cfg.mma:  # (gluon_gemv: the constexprs, then the layouts)
             self._check_mma(cfg)
