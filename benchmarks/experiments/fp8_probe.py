@@ -330,7 +330,7 @@ def use(gemm1, gemm2):
 def main():
     import torch
 
-    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import _ALL, _launch_all
     from b12x_ops.backends.triton import plan as P
     from bench_moe import experiment_points, time_events, warm_graph
 
@@ -338,7 +338,7 @@ def main():
     sizes = [int(m) for m in sys.argv[2].split(",")]
     forms = (("package", GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel),
              ("fp8 probe", gemm1_fp8_probe_kernel, gemm2_fp8_probe_kernel))
-    parts = (("gemm1",), ("gemm2",), None)
+    parts = (("gemm1",), ("gemm2",), _ALL)
     for name, hs, M, (xs, idss, wss, outs) in experiment_points(names, sizes):
         gp = hs[0]._state.plans
         cfg = gp.with_gluon(P.default_config(M, gp.geometry), M)
@@ -380,12 +380,12 @@ def main():
                 times[k].append(time_events(g.replay, REPS) / len(hs) * 1e6)
         med = {k: sorted(t)[ROUNDS // 2] for k, t in times.items()}
         for label, _, _ in forms:
-            if (label, None) not in med:
+            if (label, _ALL) not in med:
                 continue
             cols = []
             for st in parts:
                 t, b = med[label, st], med["package", st]
-                cols.append(f"{'whole op' if st is None else st[0]} {t:8.1f} us ({t / b:5.3f}x)")
+                cols.append(f"{'whole op' if st is _ALL else st[0]} {t:8.1f} us ({t / b:5.3f}x)")
             print(f"  {label:>10}: " + ", ".join(cols) + f"; {info[label]}", flush=True)
         del graphs
         torch.cuda.synchronize()
