@@ -171,6 +171,11 @@ if GK.HAS_GLUON:
     from experiments.fp8_probe import _a8, _copies8, _mma8, _ring8, _x8
 
     _DECODE_FP8 = gl.constexpr(_decode_fp8_source())
+    # FP8_GEMM1_PROMOTE=n: the wgmma's ``max_num_imprecise_acc`` (n elements of K accumulated in the
+    # tensor cores' reduced precision, then added to the fp32 accumulator by the compiler's partial
+    # accumulator); unset: sm_90's default (never)
+    _PROMOTE = os.environ.get("FP8_GEMM1_PROMOTE")
+    PROMOTE = gl.constexpr(int(_PROMOTE) if _PROMOTE else None)
 
     @gluon.jit
     def _decode(codes, sb, off, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
@@ -213,7 +218,7 @@ if GK.HAS_GLUON:
         w8 = _decode(cur[0].load(code_l), sb, off, G, Q, R, BM, BK, code_l)
         kn = k0 + BK
         sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
-        acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=PROMOTE)
         # (triton 3.6's wait takes no 8-bit operands in its list: see ``fp8_probe``; the SASS check
         # ``compile_offline.wgmma_operand_hazards`` tells whether ptxas kept the registers apart)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
@@ -373,8 +378,8 @@ def main():
     for name, hs, M, (xs, idss, wss, outs) in experiment_points(names, sizes):
         gp = hs[0]._state.plans
         cfg = gp.with_gluon(P.default_config(M, gp.geometry), M)
-        print(f"{name} M={M} bm={cfg.bm} GEMM1 {'Gluon' if cfg.gluon else 'tl.dot'} {(cfg.bn1, cfg.bk1, cfg.stages1)}",
-              flush=True)
+        print(f"{name} M={M} bm={cfg.bm} GEMM1 {'Gluon' if cfg.gluon else 'tl.dot'} {(cfg.bn1, cfg.bk1, cfg.stages1)}"
+              f" max_num_imprecise_acc={PROMOTE.value if GK.HAS_GLUON else None}", flush=True)
         if not cfg.gluon or cfg.atomic and P.acc_zero_in_gemm1(cfg):
             print("  skipped: not a Gluon GEMM1 plan with the zeros in the prologue", flush=True)
             continue
@@ -406,6 +411,8 @@ def main():
                 _launch_all(h._state, cfg, x, i, w, o)
                 torch.cuda.synchronize()
                 got[label] = o.clone()
+                act = gp.arena.buffers["act"]
+                got[label, "act"] = act.view(torch.int16).view(torch.bfloat16).float().clone()
                 for st in parts:
                     calls = [lambda h=h, x=x, i=i, w=w, o=o, st=st: _launch_all(h._state, cfg, x, i, w, o, stages=st)
                              for h, x, i, w, o in rows]
@@ -428,8 +435,13 @@ def main():
                 continue
             cols = [f"{'whole op' if st is _ALL else st[0]} {med[label, st]:8.1f} us "
                     f"({med[label, st] / med['package', st]:5.3f}x)" for st in parts]
-            err = f"; whole op rel L2 against the package's {rel_l2(got[label], got['package']):.1e}" \
-                if label != "package" else ""
+            if label != "package":
+                a, b = got[label, "act"], got["package", "act"]
+                err = (f"; whole op rel L2 against the package's {rel_l2(got[label], got['package']):.1e}; the "
+                       f"intermediate's {rel_l2(a, b):.1e}, {float((a != b).float().mean()) * 100:.2f} % of its "
+                       f"values differ")
+            else:
+                err = ""
             print(f"  {label:>8}: " + ", ".join(cols) + err, flush=True)
         del graphs
         torch.cuda.synchronize()
