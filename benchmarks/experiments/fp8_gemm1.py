@@ -174,8 +174,7 @@ if GK.HAS_GLUON:
     # FP8_GEMM1_PROMOTE=n: the wgmma's ``max_num_imprecise_acc`` (n elements of K accumulated in the
     # tensor cores' reduced precision, then added to the fp32 accumulator by the compiler's partial
     # accumulator); unset: sm_90's default (never)
-    _PROMOTE = os.environ.get("FP8_GEMM1_PROMOTE")
-    PROMOTE = gl.constexpr(int(_PROMOTE) if _PROMOTE else None)
+    PROMOTE = gl.constexpr(int(os.environ.get("FP8_GEMM1_PROMOTE", "0")))
 
     @gluon.jit
     def _decode(codes, sb, off, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
@@ -218,7 +217,10 @@ if GK.HAS_GLUON:
         w8 = _decode(cur[0].load(code_l), sb, off, G, Q, R, BM, BK, code_l)
         kn = k0 + BK
         sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
-        acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=PROMOTE)
+        if PROMOTE:
+            acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=PROMOTE)
+        else:
+            acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True)
         # (triton 3.6's wait takes no 8-bit operands in its list: see ``fp8_probe``; the SASS check
         # ``compile_offline.wgmma_operand_hazards`` tells whether ptxas kept the registers apart)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
@@ -379,7 +381,7 @@ def main():
         gp = hs[0]._state.plans
         cfg = gp.with_gluon(P.default_config(M, gp.geometry), M)
         print(f"{name} M={M} bm={cfg.bm} GEMM1 {'Gluon' if cfg.gluon else 'tl.dot'} {(cfg.bn1, cfg.bk1, cfg.stages1)}"
-              f" max_num_imprecise_acc={PROMOTE.value if GK.HAS_GLUON else None}", flush=True)
+              f" max_num_imprecise_acc={(PROMOTE.value or None) if GK.HAS_GLUON else None}", flush=True)
         if not cfg.gluon or cfg.atomic and P.acc_zero_in_gemm1(cfg):
             print("  skipped: not a Gluon GEMM1 plan with the zeros in the prologue", flush=True)
             continue
@@ -411,8 +413,14 @@ def main():
                 _launch_all(h._state, cfg, x, i, w, o)
                 torch.cuda.synchronize()
                 got[label] = o.clone()
-                act = gp.arena.buffers["act"]
-                got[label, "act"] = act.view(torch.int16).view(torch.bfloat16).float().clone()
+                # (the intermediate's rows that hold a slot: padding rows keep whatever earlier calls left)
+                buf = gp.arena.buffers
+                act = buf["act"].view(torch.int16).view(torch.bfloat16)
+                n_i = gp.geometry.intermediate_size
+                nr = min(buf["blk_rows"].numel() * cfg.bm, act.numel() // n_i)
+                r = torch.arange(nr, device=act.device)
+                real = (r % cfg.bm < buf["blk_rows"][r // cfg.bm]) & (buf["blk_expert"][r // cfg.bm] >= 0)
+                got[label, "act"] = act.reshape(-1)[:nr * n_i].view(nr, n_i)[real].float().clone()
                 for st in parts:
                     calls = [lambda h=h, x=x, i=i, w=w, o=o, st=st: _launch_all(h._state, cfg, x, i, w, o, stages=st)
                              for h, x, i, w, o in rows]
