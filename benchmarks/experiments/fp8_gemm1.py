@@ -37,6 +37,7 @@ timed calls), CUDA-graph replay over the layers, alternating rounds.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -175,6 +176,10 @@ if GK.HAS_GLUON:
     # tensor cores' reduced precision, then added to the fp32 accumulator by the compiler's partial
     # accumulator); unset: sm_90's default (never)
     PROMOTE = gl.constexpr(int(os.environ.get("FP8_GEMM1_PROMOTE", "0")))
+    # FP8_GEMM1_PSTEPS=n (1, 2 or 4): the kernel's own promotion, every n K steps of 64: a step's MMAs
+    # accumulate into a partial accumulator (the first of n steps overwriting it), and after the n-th
+    # the program waits for them and adds the partial sums to its fp32 accumulator
+    PSTEPS = gl.constexpr(int(os.environ.get("FP8_GEMM1_PSTEPS", "0")))
 
     @gluon.jit
     def _decode(codes, sb, off, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
@@ -201,8 +206,9 @@ if GK.HAS_GLUON:
         return gl.convert_layout(w, _a8(R, BM))
 
     @gluon.jit
-    def _step(k0, acc, sb, off, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED: gl.constexpr,
-              R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, code_l: gl.constexpr):
+    def _step(k0, acc, part, sb, off, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED: gl.constexpr,
+              R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, code_l: gl.constexpr,
+              FIRST: gl.constexpr, LAST: gl.constexpr):
         G: gl.constexpr = R // 16
         Q: gl.constexpr = BK // 64
         KS: gl.constexpr = RED // 32
@@ -217,14 +223,22 @@ if GK.HAS_GLUON:
         w8 = _decode(cur[0].load(code_l), sb, off, G, Q, R, BM, BK, code_l)
         kn = k0 + BK
         sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
-        if PROMOTE:
-            acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=PROMOTE)
-        else:
-            acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True)
         # (triton 3.6's wait takes no 8-bit operands in its list: see ``fp8_probe``; the SASS check
         # ``compile_offline.wgmma_operand_hazards`` tells whether ptxas kept the registers apart)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        return acc, sb, w8
+        if PSTEPS:
+            part = warpgroup_mma(w8, cur[1].permute((1, 0)), part, use_acc=not FIRST, is_async=True)
+            if LAST:
+                part = warpgroup_mma_wait(num_outstanding=0, deps=[part])
+                acc = acc + part
+            else:
+                part = warpgroup_mma_wait(num_outstanding=1, deps=[part])
+        else:
+            if PROMOTE:
+                acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=PROMOTE)
+            else:
+                acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        return acc, part, sb, w8
 
     @gluon.jit
     def _mainloop(w_g, gvalid, s_row, s_ok, off, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr,
@@ -243,15 +257,19 @@ if GK.HAS_GLUON:
             async_copy.commit_group()
         sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
         acc = gl.zeros([R, BM], gl.float32, layout=_mma8(R, BM))
+        part = gl.zeros([R, BM], gl.float32, layout=_mma8(R, BM))
         K1: gl.constexpr = NSTEP % STAGES
-        for p in gl.static_range(K1):
-            acc, sb, w8 = _step(p * BK, acc, sb, off, ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk,
-                                x_rows, rvalid_x, RED, R, BM, BK, STAGES, code_l)
+        P: gl.constexpr = max(PSTEPS, 1)
+        gl.static_assert(STAGES % P == 0)
+        for p in gl.static_range(K1):  # (a group of their own)
+            acc, part, sb, w8 = _step(p * BK, acc, part, sb, off, ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src,
+                                      s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, code_l, p == 0,
+                                      p == K1 - 1)
         for kk in range(NSTEP // STAGES):
             for s in gl.static_range(STAGES):
-                acc, sb, w8 = _step((K1 + STAGES * kk + s) * BK, acc, sb, off, ring[(K1 + s) % STAGES],
-                                    ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED,
-                                    R, BM, BK, STAGES, code_l)
+                acc, part, sb, w8 = _step((K1 + STAGES * kk + s) * BK, acc, part, sb, off, ring[(K1 + s) % STAGES],
+                                          ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk, x_rows,
+                                          rvalid_x, RED, R, BM, BK, STAGES, code_l, s % P == 0, s % P == P - 1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         async_copy.wait_group(0)
         _barrier()
@@ -381,7 +399,8 @@ def main():
         gp = hs[0]._state.plans
         cfg = gp.with_gluon(P.default_config(M, gp.geometry), M)
         print(f"{name} M={M} bm={cfg.bm} GEMM1 {'Gluon' if cfg.gluon else 'tl.dot'} {(cfg.bn1, cfg.bk1, cfg.stages1)}"
-              f" max_num_imprecise_acc={(PROMOTE.value or None) if GK.HAS_GLUON else None}", flush=True)
+              f" max_num_imprecise_acc={(PROMOTE.value or None) if GK.HAS_GLUON else None}"
+              f" promotion every {(PSTEPS.value or None) if GK.HAS_GLUON else None} steps", flush=True)
         if not cfg.gluon or cfg.atomic and P.acc_zero_in_gemm1(cfg):
             print("  skipped: not a Gluon GEMM1 plan with the zeros in the prologue", flush=True)
             continue
@@ -405,12 +424,24 @@ def main():
             for k in [k for k in gp.launches if k[0] == "gemm1_gluon"]:
                 del gp.launches[k]
 
+        # the fp8 kernel's tile (FP8_GEMM1_BN1: columns of up and of gate a program, bn1 / 8 warps) and
+        # register cap (FP8_GEMM1_UNCAP=1: none at 64-row blocks): its promotion's second accumulator
+        # spills in the package's forms
+        cfg8 = cfg
+        if os.environ.get("FP8_GEMM1_BN1"):
+            bn1 = int(os.environ["FP8_GEMM1_BN1"])
+            cfg8 = dataclasses.replace(cfg, bn1=bn1, warps1=bn1 // 8)
+        gp.reserve(M, cfg8)
+        cap = P.GLUON_BM64_MAXNREG
         for label in ("package", "fp8"):
             undo = use(layers) if label == "fp8" else (lambda: None)
+            c = cfg8 if label == "fp8" else cfg
+            if label == "fp8" and os.environ.get("FP8_GEMM1_UNCAP") == "1":
+                P.GLUON_BM64_MAXNREG = None
             forget()
             try:
                 h, x, i, w, o = rows[0]
-                _launch_all(h._state, cfg, x, i, w, o)
+                _launch_all(h._state, c, x, i, w, o)
                 torch.cuda.synchronize()
                 got[label] = o.clone()
                 # (the intermediate's rows that hold a slot: padding rows keep whatever earlier calls left)
@@ -422,16 +453,17 @@ def main():
                 real = (r % cfg.bm < buf["blk_rows"][r // cfg.bm]) & (buf["blk_expert"][r // cfg.bm] >= 0)
                 got[label, "act"] = act.reshape(-1)[:nr * n_i].view(nr, n_i)[real].float().clone()
                 for st in parts:
-                    calls = [lambda h=h, x=x, i=i, w=w, o=o, st=st: _launch_all(h._state, cfg, x, i, w, o, stages=st)
+                    calls = [lambda h=h, x=x, i=i, w=w, o=o, st=st, c=c: _launch_all(h._state, c, x, i, w, o, stages=st)
                              for h, x, i, w, o in rows]
                     graphs[label, st] = warm_graph(calls)
-                ck = gp.stages(cfg, M)[1].compiled
-                print(f"  {label}: GEMM1 {getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills",
-                      flush=True)
+                ck = gp.stages(c, M)[1].compiled
+                print(f"  {label}: GEMM1 (bn1 {c.bn1}, {c.warps1} warps) {getattr(ck, 'n_regs', '?')} regs, "
+                      f"{getattr(ck, 'n_spills', '?')} spills", flush=True)
             except Exception as ex:  # (a form that fails to compile or launch: say so, go on)
                 print(f"  {label}: FAILED {type(ex).__name__}: {str(ex)[-600:]}", flush=True)
             finally:
                 undo()
+                P.GLUON_BM64_MAXNREG = cap
                 forget()
         times = {k: [] for k in graphs}
         for _ in range(ROUNDS):
