@@ -22,9 +22,10 @@ epilogue) with
 ``FP8_PROBE_DECODE=0`` skips the decode too (the code bytes are the operand as they are): what the
 MMAs and the copies alone take.
 
-Per geometry and M (Gluon GEMM1 plans): GEMM1 alone, the package's kernel against the probe,
-CUDA-graph replay over the benchmark's layers, us per layer, the median of alternating rounds, with
-each launch's registers and spills.
+Per geometry and M (plans with both Gluon GEMMs): GEMM1 alone, GEMM2 alone (``gemm2_fp8_probe_kernel``:
+the same main loop, the intermediate's bytes read as e4m3) and the whole op with both, the package's
+kernels against the probe's, CUDA-graph replay over the benchmark's layers, us per layer, the median
+of alternating rounds, with each launch's registers and spills. Results: ``benchmarks/results/fp8_mma.md``.
 """
 
 from __future__ import annotations
