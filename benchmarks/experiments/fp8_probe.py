@@ -316,14 +316,31 @@ add.u32 $1, o, s;
                       HAS_GS, ATOMIC, BM, BM, BN, BK, STAGES, code_l, p7, s5_l)
 
 
-def use(gemm1, gemm2):
-    """Make the plans launch ``gemm1`` and ``gemm2`` wherever they would launch the Gluon GEMMs;
-    returns the undo."""
-    original = GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel
+    # (the code word as the four bf16 pairs, each its own register: one instruction a pair where the
+    # decode takes about three and a quarter)
+    _UNDECODED = gl.constexpr("xor.b32 $0, $4, 1;\nxor.b32 $1, $4, 2;\nxor.b32 $2, $4, 3;\nxor.b32 $3, $4, 4;")
+
+    @gluon.jit
+    def _undecoded_operands(codes, sb, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr,
+                            FOLD: gl.constexpr, a_l: gl.constexpr, p7: gl.constexpr):
+        """A stand-in for ``gluon_kernels._decode_operands`` (the ``bf16 undecoded`` form): each code word's
+        bits as the bf16 operands, no decode and no scales (values garbage)."""
+        t = _to_operand(codes, G, Q, R, BKH)
+        we, wo = gl.inline_asm_elementwise(_UNDECODED, "=r,=r,=r,=r,r", [t], dtype=(gl.bfloat16, gl.bfloat16),
+                                           is_pure=True, pack=4)
+        return gl.convert_layout(we, a_l, assert_trivial=True), gl.convert_layout(wo, a_l, assert_trivial=True)
+
+
+def use(gemm1, gemm2, decode=None):
+    """Make the plans launch ``gemm1`` and ``gemm2`` wherever they would launch the Gluon GEMMs (and the
+    package's kernels decode with ``decode`` instead of ``_decode_operands``, if given); returns the undo."""
+    original = GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel, GK._decode_operands
     GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel = gemm1, gemm2
+    if decode is not None:
+        GK._decode_operands = decode
 
     def undo():
-        GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel = original
+        GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel, GK._decode_operands = original
 
     return undo
 
@@ -337,8 +354,10 @@ def main():
 
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
-    forms = (("package", GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel),
-             ("fp8 probe", gemm1_fp8_probe_kernel, gemm2_fp8_probe_kernel))
+    forms = (("package", GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel, None),
+             ("fp8 probe", gemm1_fp8_probe_kernel, gemm2_fp8_probe_kernel, None))
+    if os.environ.get("FP8_PROBE_BF16_UNDECODED") == "1":  # (the package's kernels without their decode too)
+        forms += (("bf16 undecoded", GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel, _undecoded_operands),)
     parts = (("gemm1",), ("gemm2",), _ALL)
     for name, hs, M, (xs, idss, wss, outs) in experiment_points(names, sizes):
         gp = hs[0]._state.plans
@@ -359,8 +378,8 @@ def main():
             for k in [k for k in gp.launches if k[0] in ("gemm1_gluon", "gemm2_gluon")]:
                 del gp.launches[k]
 
-        for label, k1, k2 in forms:
-            undo = use(k1, k2)
+        for label, k1, k2, dec in forms:
+            undo = use(k1, k2, dec)
             forget()
             try:
                 for st in parts:
@@ -380,7 +399,7 @@ def main():
             for k, g in graphs.items():
                 times[k].append(time_events(g.replay, REPS) / len(hs) * 1e6)
         med = {k: sorted(t)[ROUNDS // 2] for k, t in times.items()}
-        for label, _, _ in forms:
+        for label, _, _, _ in forms:
             if (label, _ALL) not in med:
                 continue
             cols = []
