@@ -34,9 +34,10 @@ from b12x_ops.backends.triton import plan as P  # noqa: E402
 # element types of the pointer arguments, by name (what ``_launch`` passes)
 _I16 = {"x_ptr", "wts_in_ptr", "out_ptr"}
 _I32 = {"ids_ptr", "lid_ptr", "sorted_ptr", "blk_expert_ptr", "blk_rows_ptr", "cnt_ptr", "key_ptr", "off_ptr",
-        "cnt1_ptr", "cnt2_ptr", "sync_ptr"}
+        "cnt1_ptr", "cnt2_ptr", "sync_ptr", "ref_ptr"}
 _U8 = {"w_ptr", "s_ptr", "w13_ptr", "s13_ptr", "w2_ptr", "s2_ptr"}
-_F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr", "g13_ptr", "g2_ptr", "part1_ptr", "part2_ptr"}
+_F32 = {"gs_ptr", "acc_ptr", "dst_ptr", "src_ptr", "part_ptr", "g13_ptr", "g2_ptr", "part1_ptr", "part2_ptr", "fw_ptr",
+        "fx_ptr"}
 
 
 def signature(launch: P.Launch) -> tuple[dict, dict]:
@@ -133,16 +134,16 @@ def _written(text: str) -> set[int]:
 
 def wgmma_operand_hazards(sass: str) -> list[tuple[int, int, str]]:
     """Where an instruction writes a register an in-flight wgmma reads its first operand from:
-    ``(wgmma address, writer address, writer)`` for each ``HGMMA`` with a register operand and the
-    first write to one of its 4 registers before the wait that covers it (the second
-    ``WARPGROUP.DEPBAR.LE gsb0, 0x2`` after it, or the first ``0x0``), following the main loop's
-    back edge once. ptxas does not always catch these across a loop's iterations (the hardware then
-    reads whatever the writer left)."""
+    ``(wgmma address, writer address, writer)`` for each ``HGMMA`` (bf16) or ``QGMMA`` (fp8) with a
+    register operand and the first write to one of its 4 registers before the wait that covers it
+    (the second ``WARPGROUP.DEPBAR.LE`` after it that leaves MMAs in flight, or the first ``0x0``),
+    following the main loop's back edge once. ptxas does not always catch these across a loop's
+    iterations (the hardware then reads whatever the writer left)."""
     ins = sass_instructions(sass)
-    loop = next(((lo, hi) for lo, hi in _loops(ins) if any("HGMMA" in x for _, x in ins[lo:hi + 1])), None)
+    loop = next(((lo, hi) for lo, hi in _loops(ins) if any("GMMA" in x for _, x in ins[lo:hi + 1])), None)
     found = []
     for p, (a, t) in enumerate(ins):
-        m = re.search(r"HGMMA\S*\s+R\d+,\s+R(\d+)", t)
+        m = re.search(r"[HQ]GMMA\S*\s+R\d+,\s+R(\d+)", t)
         if not m:
             continue
         regs = set(range(int(m.group(1)), int(m.group(1)) + 4))

@@ -8,7 +8,9 @@ reads them), the GPU-only constexpr branches, and the asynchronous-copy pipeline
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import sys
 
 import pytest
@@ -379,3 +381,90 @@ def test_wgmma_operand_hazard_check_finds_a_write_to_an_in_flight_operand(offlin
         "WARPGROUP.DEPBAR.LE gsb0, 0x0",
     ])
     assert offline.wgmma_operand_hazards(two_sets) == []
+
+
+def _experiment(name, monkeypatch, env=None):
+    """A module of ``benchmarks/experiments`` loaded afresh (its knobs are read when it loads)."""
+    import importlib.util
+
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "benchmarks")] + list(sys.path))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", "experiments", name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b"])
+@pytest.mark.parametrize("form", ["probe", "gemm1", "gemm1_promoted", "bf16_undecoded"])
+def test_fp8_experiments_compile(offline, name, form, monkeypatch):
+    """``benchmarks/experiments/fp8_probe.py`` and ``fp8_gemm1.py`` (``results/fp8_mma.md``) compile for
+    sm_90 as drop-ins for the Gluon GEMMs at the 128-row plan of 8192 tokens: the e4m3 forms on QGMMA
+    (two k32 a K step of 64, the package's ring and register-set scheme, the previous step's MMAs in
+    flight under the decode), the promoted GEMM1 (``FP8_GEMM1_PSTEPS=2`` in 8-warp programs of 64
+    columns) with its fp32 adds and no local memory, and the package's bf16 GEMMs without their decode
+    on the same HGMMA with a loop about half as long; no write to an in-flight MMA's operand
+    registers in any."""
+    import dataclasses
+
+    import triton
+
+    from b12x_ops.backends.triton import gluon_kernels as GK
+    from b12x_ops.backends.triton import plan as P
+
+    g = dataclasses.replace(offline._geometry(GEOMETRIES[name]), deterministic=False)
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx, gp.fold, gp.dot_dtype, gp.gluon = True, True, triton.language.bfloat16, True
+    cfg = gp.with_gluon(P.default_config(8192, g), 8192)
+    assert cfg.gluon and cfg.gluon2 and cfg.bm == 128
+    base = [offline.compile_launch(gp.stages(cfg, 8192)[1], 90)]
+    base_loop = max(n for n, _ in offline.loop_profile(base[0].asm["cubin"]))
+    gp.launches.clear()
+    if form == "gemm1_promoted":
+        mod = _experiment("fp8_gemm1", monkeypatch, {"FP8_GEMM1_PSTEPS": "2"})
+        cfg = dataclasses.replace(cfg, bn1=64, warps1=8)
+    else:
+        mod = _experiment("fp8_gemm1" if form == "gemm1" else "fp8_probe", monkeypatch,
+                          {"FP8_PROBE_DECODE": "1", "FP8_GEMM1_PSTEPS": "0", "FP8_GEMM1_PROMOTE": "0"})
+    if form in ("gemm1", "gemm1_promoted"):
+        monkeypatch.setattr(GK, "gemm1_gluon_kernel", mod.gemm1_fp8_kernel)
+        which = (1,)
+    elif form == "probe":
+        monkeypatch.setattr(GK, "gemm1_gluon_kernel", mod.gemm1_fp8_probe_kernel)
+        monkeypatch.setattr(GK, "gemm2_gluon_kernel", mod.gemm2_fp8_probe_kernel)
+        which = (1, 2)
+    else:
+        which = (1,)
+    if form == "bf16_undecoded":  # (swapped by hand: the package's functions must rehash before and after)
+        decode = GK._decode_operands
+        GK._decode_operands = mod._undecoded_operands
+        mod._forget_compiled()
+    try:
+        _check_fp8_experiment_launches(offline, gp, cfg, which, form, base_loop)
+    finally:
+        if form == "bf16_undecoded":
+            GK._decode_operands = decode
+            mod._forget_compiled()
+
+
+def _check_fp8_experiment_launches(offline, gp, cfg, which, form, base_loop):
+    for w in which:
+        ck = offline.compile_launch(gp.stages(cfg, 8192)[w], 90)
+        sass = offline._cuobjdump(ck.asm["cubin"], "-sass")
+        assert offline.wgmma_operand_hazards(sass) == [], (form, w)
+        assert "LOCAL:0" in offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", ""), (form, w)
+        # (the main loop's trip; ptxas unrolls Qwen3's GEMM2, 3 trips of 4 steps, whole: then the kernel)
+        n, ops = max(offline.loop_profile(ck.asm["cubin"]) or [(0, collections.Counter(
+            re.findall(r"\b([HQ]GMMA)\b", sass)))], key=lambda loop: loop[0])
+        if form == "bf16_undecoded":
+            assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass and "QGMMA" not in sass
+            assert ops["HGMMA"] == 16 and n < 0.6 * base_loop, (n, base_loop)
+            continue
+        assert "HGMMA" not in sass and re.search(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3", sass), (form, w)
+        # (a loop trip: 4 steps of two k32 MMAs; unrolled: a multiple of that, both tile sizes)
+        assert ops["QGMMA"] == 2 * 4 if n else ops["QGMMA"] % 8 == 0 < ops["QGMMA"], (form, w, ops["QGMMA"])
+        if form == "gemm1_promoted":
+            assert ops["FADD"] >= 2 * 32, ops["FADD"]  # (two promotions a trip, 32+ accumulators a thread)
+        else:
+            assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, (form, w)

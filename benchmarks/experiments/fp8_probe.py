@@ -331,6 +331,16 @@ add.u32 $1, o, s;
         return gl.convert_layout(we, a_l, assert_trivial=True), gl.convert_layout(wo, a_l, assert_trivial=True)
 
 
+def _forget_compiled():
+    """Make every Gluon function of ``gluon_kernels`` hash its callees again and drop its compiled kernels:
+    a JIT function keeps the hash of its dependencies (and its kernels) from its first compile, so a
+    swapped ``_decode_operands`` would otherwise go unseen by kernels compiled before the swap."""
+    for v in vars(GK).values():
+        if hasattr(v, "device_caches") and hasattr(v, "hash"):
+            v.hash = None
+            v.device_caches.clear()
+
+
 def use(gemm1, gemm2, decode=None):
     """Make the plans launch ``gemm1`` and ``gemm2`` wherever they would launch the Gluon GEMMs (and the
     package's kernels decode with ``decode`` instead of ``_decode_operands``, if given); returns the undo."""
@@ -338,9 +348,12 @@ def use(gemm1, gemm2, decode=None):
     GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel = gemm1, gemm2
     if decode is not None:
         GK._decode_operands = decode
+        _forget_compiled()
 
     def undo():
         GK.gemm1_gluon_kernel, GK.gemm2_gluon_kernel, GK._decode_operands = original
+        if decode is not None:
+            _forget_compiled()
 
     return undo
 
