@@ -74,3 +74,25 @@ def test_variant_trees_still_apply(tmp_path):
             py_compile.compile(edited, doraise=True)
             with open(os.path.join(ROOT, rel)) as f:
                 assert f.read().count(old) == 1, (name, rel)  # (the package keeps the original)
+
+
+def test_fp8_gemm1_layout_and_decode_on_the_emulator(capsys, monkeypatch):
+    """``experiments/fp8_gemm1.py check``: its code layout puts every checkpoint code where the decode
+    reads it (a tile with a padded chunk), and its asm (``prmt`` tables built by ``mad``) decodes every
+    code to its exact E4M3 value at each block exponent of the window, on the PTX emulator of
+    ``tests/test_ptx_decode.py``; a table one step off is caught."""
+    import importlib.util
+
+    import pytest
+
+    monkeypatch.setattr(sys, "path", [os.path.join(ROOT, "benchmarks")] + list(sys.path))
+    path = os.path.join(ROOT, "benchmarks", "experiments", "fp8_gemm1.py")
+    spec = importlib.util.spec_from_file_location("fp8_gemm1", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.check()
+    out = capsys.readouterr().out
+    assert "every code of a 2 x 32 x 160 tile in place" in out and "7680 decoded weights exact" in out
+    monkeypatch.setattr(mod, "_T1_ADD", mod._T1_ADD + 0x08080808)  # (codes 4..7 one binade up)
+    with pytest.raises(AssertionError):
+        mod.check()
