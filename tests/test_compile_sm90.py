@@ -264,6 +264,36 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold, monk
         assert writes and all(re.search(wide, w) for w in writes), (what, sorted(set(writes)))
 
 
+@pytest.mark.parametrize("shape", [(2048, 768), (2080, 800)])
+def test_gluon_kernels_load_scale_bytes_in_pairs_where_rows_have_an_even_count(offline, shape):
+    """The Gluon GEMMs and GEMVs load a lane's scale bytes two at a time (a row's two 32-element blocks of
+    a 64-element chunk, one 16-bit load: ``gluon_kernels._load_scales``) where the reduction has an even
+    number of blocks (K or N a multiple of 64), and byte by byte where it has not (2080 = 65 blocks,
+    800 = 25): no 8-bit load in the first case (the kernels load no other bytes), 8-bit ones in the second."""
+    import dataclasses
+
+    import triton
+
+    from b12x_ops.backends.triton import plan as P
+
+    K, N = shape
+    g = offline._geometry(dict(E=8, K=K, N=N, top_k=2, limit=None))
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx, gp.fold, gp.dot_dtype = True, True, triton.language.bfloat16
+    big = dataclasses.replace(P.default_config(8192, g), gluon=True, gluon2=True, **P.GLUON_GEMM1,
+                              **P.GLUON_GEMM2)
+    launches = [(f"gemm{w}", gp.stages(big, 8192)[w]) for w in (1, 2)]
+    gp.gluon = True
+    gemv = gp.with_gluon(P.default_config(1, g), 1)
+    assert gemv.mma, gemv
+    launches += [(f"gemv{w}", gp.stages(gemv, 1)[w]) for w in (1, 2)]
+    for what, ln in launches:
+        red = N if what.endswith("2") else K
+        sass = offline._cuobjdump(offline.compile_launch(ln, 90).asm["cubin"], "-sass")
+        u8, u16 = sass.count("LDG.E.U8 "), sass.count("LDG.E.U16 ")
+        assert (u8 == 0 < u16) if red % 64 == 0 else u8 > 0, (what, red, u8, u16)
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b"])
 @pytest.mark.parametrize("form", ["persistent", "persistent_half", "deferred"])
 def test_persistent_gemm2_experiment_compiles(offline, name, form, monkeypatch):

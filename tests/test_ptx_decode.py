@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from b12x_ops.backends.triton.layout import repack_codes
-from b12x_ops.backends.triton.mxtl import _decode_repacked_ptx_source
+from b12x_ops.backends.triton.mxtl import _decode_repacked_ptx_source, _scale_pairs_ptx_source
 from b12x_ops.mx import dequantize_mxfp4
 
 M32 = 0xFFFFFFFF
@@ -147,3 +147,23 @@ def test_repacked_decode_fold_range_is_tight():
     assert not torch.equal(got, torch.full((16, 64), 6.0 * 4.0, dtype=torch.float64))
     ok = _decode_chunk(codes, torch.full((16,), 128, dtype=torch.uint8), True, src)
     assert torch.equal(ok, torch.full((16, 64), 6.0 * 2.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_scale_pairs_match_the_decode_scales_on_the_emulator(fold):
+    """``gluon_kernels._scale_pairs``' asm: a lane's scale bytes loaded two at a time (rows r0 and r0 + 8,
+    a chunk's blocks s0 and s1: one register ``[r0 s0, r0 s1, r8 s0, r8 s1]``) give, for each block,
+    the two rows' bf16 scales ``mxtl._ptx_scales`` makes of single bytes, over the variant's whole
+    range and 0 (a masked load), every byte in every position."""
+    src = _scale_pairs_ptx_source(fold)
+    assert len([ln for ln in src.splitlines() if re.match(r"[a-z]", ln)]) == 4
+    top = 128 if fold else 252
+    values = [0] + list(range(2, top + 1))
+    for i, b in enumerate(values):
+        others = [values[(i * k + 7) % len(values)] for k in (3, 5, 11)]
+        for pos in range(4):
+            bs = others[:pos] + [b] + others[pos:]  # [r0 s0, r0 s1, r8 s0, r8 s1]
+            word = bs[0] | (bs[1] << 8) | (bs[2] << 16) | (bs[3] << 24)
+            out = run_asm(src, {"$2": word})
+            assert out["$0"] == ptx_scale_pair(bs[0], bs[2], fold), (fold, bs)
+            assert out["$1"] == ptx_scale_pair(bs[1], bs[3], fold), (fold, bs)

@@ -48,8 +48,9 @@ if GK.HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from b12x_ops.backends.triton.gluon_kernels import (_barrier, _gemm2_epilogue, _gemm2_sources, _operand_sources,
-                                                        _prefill, _ring, _step_in_set, _steps, warpgroup_mma_wait)
+    from b12x_ops.backends.triton.gluon_kernels import (_barrier, _gemm2_epilogue, _gemm2_sources, _load_scales,
+                                                        _operand_sources, _prefill, _ring, _step_in_set, _steps,
+                                                        warpgroup_mma_wait)
 
     # the half tiles (GLUON_PERSISTENT_HALF=1). Offline (triton 3.6, sm_90) the walk with both tile
     # sizes in its loop no longer keeps the MMAs in flight at Qwen3 (ptxas waits for each step's)
@@ -255,7 +256,7 @@ if GK.HAS_GLUON:
         NSTEP: gl.constexpr = (N + BK - 1) // BK
         c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x = _sources(pid_m, pid_n, e, nrow, a_ptr, w_ptr, s_ptr, K, N,
                                                                     BM, BM, BN, BK, code_l, s5_l, x_l)
-        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
+        sb = _load_scales(s_src, s_ok & (sblk < KS), KS % 2 == 0)
         acc = gl.zeros([BN, BM], gl.float32, layout=mma)
         we_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)
         wo_a = gl.zeros([BN, BKH], gl.bfloat16, layout=a_l)

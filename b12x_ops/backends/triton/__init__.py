@@ -107,8 +107,8 @@ def prepare(spec) -> State:
         _SHARED[key] = shared
     ones = torch.ones(g.num_experts, dtype=torch.float32, device=g.device)
 
-    def dense(t):
-        return t if t.is_contiguous() else t.contiguous()
+    def dense(t):  # (16-byte aligned too: the Gluon kernels load a row's scale bytes two at a time)
+        return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
     state = State(
         plans=shared, w13=repack_codes(spec.w13), w13_scale=dense(spec.w13_scale), w2=repack_codes(spec.w2),

@@ -47,7 +47,7 @@ from .kernels import _swiglu, f32_to_half_bits, gemv_program, half_bits_to_f32, 
 from .mxtl import mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON_MMA:
-    from .gluon_kernels import _barrier, _decode_operands, _tile_index
+    from .gluon_kernels import _barrier, _decode_operands, _load_scales, _tile_index
 
     def layouts(nw: int, gemv1: bool) -> dict:
         """A program of ``nw`` warps: ``mma`` the ``m16n8k16`` accumulator (a warp a 16-row group: groups
@@ -108,7 +108,7 @@ if HAS_GLUON_MMA:
             qq = q0 + q
             codes = codes + (gl.load(c_src + qq * 512, mask=c_ok & (qq < NQ)),)
             sm = s_ok & ((2 * qq + s_s) < KS)[None, None, None, :, None]
-            scales = scales + (gl.load(s_src + 2 * qq, mask=sm, other=0),)
+            scales = scales + (_load_scales(s_src + 2 * qq, sm, KS % 2 == 0),)
         return codes, scales
 
     @gluon.jit
@@ -134,7 +134,7 @@ if HAS_GLUON_MMA:
         """One 64-element chunk: its ``[G, 1, 32, 16]`` codes decoded with their scale bytes into the A
         fragments in place (``gluon_kernels._decode_operands``), then its two MMAs (even elements, odd
         elements) into ``acc``."""
-        we, wo = _decode_operands(codes, scales.to(gl.int32), R // 16, 1, R, 32, FOLD, a_l, p7)
+        we, wo = _decode_operands(codes, scales, R // 16, 1, R, 32, FOLD, a_l, p7)
         return mma_v2(wo, xo, mma_v2(we, xe, acc))
 
     @gluon.jit(do_not_specialize=("S", "stride_im", "stride_ik", "expert_offset"),

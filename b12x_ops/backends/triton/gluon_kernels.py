@@ -62,7 +62,8 @@ except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON = False
 
 from .kernels import _block_tile, _swiglu
-from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
+from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, _SCALE_PAIRS_PTX, _SCALE_PAIRS_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
+
 
 if HAS_GLUON:
 
@@ -200,7 +201,7 @@ if HAS_GLUON:
         KS: gl.constexpr = RED // 32
         D: gl.constexpr = STAGES - 2
         NSTEP: gl.constexpr = (RED + BK - 1) // BK
-        sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)  # (scale bytes: a step ahead)
+        sb = _load_scales(s_src, s_ok & (sblk < KS), KS % 2 == 0)  # (scale bytes: a step ahead)
         acc = gl.zeros([R, BM], gl.float32, layout=mma)
         # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
         # consecutive steps decode into two register sets (A, B, A, ...), and each wait lists both
@@ -288,10 +289,35 @@ if HAS_GLUON:
         async_copy.commit_group()
         we, wo = _decode_operands(cur[0].load(code_l), sb, G, Q, R, BKH, FOLD, a_l, p7)
         kn = k0 + BK
-        sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
+        sb = _load_scales(s_src + kn // 32, s_ok & ((kn // 32 + sblk) < KS), KS % 2 == 0)
         acc = warpgroup_mma(we, cur[1].permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma(wo, cur[2].permute((1, 0)), acc, is_async=True)
         return acc, sb, we, wo
+
+    @gluon.jit
+    def _load_scales(src, ok, PAIRED: gl.constexpr):
+        """A step's scale bytes: ``src`` the ``[G, Q, 32, 2, 2]`` pointers of a lane's (rows r0 and r0 + 8
+        of each chunk's two 32-element blocks), ``ok`` which to load (the others 0). Returns them as
+        loaded (uint8), or with ``PAIRED`` (a row's blocks an even count, the tensor 2-byte aligned) as
+        ``[G, Q, 32, 2]`` uint16, a row's two blocks of a chunk in one load (``_scale_pairs``): half
+        the loads, and half the registers held until the decode."""
+        if PAIRED:
+            src = gl.split(gl.permute(src, (0, 1, 2, 4, 3)))[0]  # (a chunk's first block)
+            ok = gl.split(gl.permute(ok, (0, 1, 2, 4, 3)))[0]
+            return gl.load(src.to(gl.pointer_type(gl.uint16), bitcast=True), mask=ok, other=0)
+        else:
+            return gl.load(src, mask=ok, other=0)
+
+    @gluon.jit
+    def _scale_pairs(sb, FOLD: gl.constexpr, s5_l: gl.constexpr):
+        """``_load_scales``' uint16 pairs ``[G, Q, 32, 2 rh]`` (a row's block s in byte s) as the bf16
+        scales ``[G, Q, 32, 2 s, 2 rh]`` of ``mxtl._ptx_scales``: a lane's two rows' words side by side
+        (one 32-bit register), each block's bytes of both rows masked out and placed as two exponent
+        fields at once."""
+        asm: gl.constexpr = _SCALE_PAIRS_PTX_FOLD if FOLD else _SCALE_PAIRS_PTX
+        s0, s1 = gl.inline_asm_elementwise(asm, "=r,=r,r", [sb], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                           pack=2)
+        return gl.convert_layout(gl.permute(gl.join(s0, s1), (0, 1, 2, 4, 3)), s5_l, assert_trivial=True)
 
     @gluon.jit
     def _decode_operands(codes, sb, G: gl.constexpr, Q: gl.constexpr, R: gl.constexpr, BKH: gl.constexpr,
@@ -301,10 +327,13 @@ if HAS_GLUON:
         ``(even, odd)`` ``[R, BKH]`` in ``a_l`` (the wgmma's or mma.sync's: the same registers), every
         conversion checked to move no data."""
         t = _to_operand(codes, G, Q, R, BKH)
-        b = sb
-        if FOLD:
-            b = b + 126
-        sc = (b << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # mxtl._ptx_scales
+        if sb.dtype == gl.uint16:
+            sc = _scale_pairs(sb, FOLD, gl.SliceLayout(4, gl.SliceLayout(6, p7)))
+        else:
+            b = sb.to(gl.int32)
+            if FOLD:
+                b = b + 126
+            sc = (b << 7).to(gl.int16).to(gl.bfloat16, bitcast=True)  # mxtl._ptx_scales
         sc = gl.expand_dims(gl.expand_dims(sc, 4), 6)
         sc = gl.broadcast(sc, gl.full([G, Q, 32, 2, 2, 2, 2], 0, gl.bfloat16, layout=p7))[0]
         sc = _to_operand(gl.reshape(sc, (G, Q, 32, 16)), G, Q, R, BKH)

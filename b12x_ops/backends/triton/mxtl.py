@@ -61,6 +61,19 @@ _DECODE_PTX = tl.constexpr(_decode_repacked_ptx_source())
 _DECODE_PTX_FOLD = tl.constexpr(_decode_repacked_ptx_source(fold=True))
 
 
+def _scale_pairs_ptx_source(fold: bool) -> str:
+    """The asm of ``gluon_kernels._scale_pairs``: ``$2`` holds the scale bytes ``[r0 s0, r0 s1, r8 s0, r8 s1]`` (rows r0 and
+    r0 + 8 of a lane, a chunk's blocks s0 and s1); ``$0`` gets the bf16 pair (r0, r8) of block s0 and
+    ``$1`` of block s1, each ``byte << 7`` plus ``126 << 7`` with ``fold`` (``_ptx_scales``)."""
+    bias = "0x3F003F00" if fold else "0"
+    return "\n".join(["{", ".reg .b32 t;", "and.b32 t, $2, 0x00FF00FF;", f"mad.lo.u32 $0, t, 128, {bias};",
+                      "prmt.b32 t, $2, 0, 0x4341;", f"mad.lo.u32 $1, t, 128, {bias};", "}"])
+
+
+_SCALE_PAIRS_PTX = tl.constexpr(_scale_pairs_ptx_source(False))
+_SCALE_PAIRS_PTX_FOLD = tl.constexpr(_scale_pairs_ptx_source(True))
+
+
 @triton.jit
 def _ptx_scales(scale_bytes, FOLD: tl.constexpr):
     """The bf16 scales the PTX decode multiplies by: ``2^(byte - 127)``, or ``2^(byte - 1)`` with
