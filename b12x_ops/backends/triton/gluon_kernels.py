@@ -27,6 +27,11 @@ express:
   operand's ``R`` rows (a warpgroup 64 rows). In GEMM1 the first half of the warpgroups holds the
   up rows and the rest the gate rows; both read the same activations, and the epilogue meets up
   and gate in shared memory;
+* **scale bytes two at a time.** A lane needs the scale bytes of its rows r0 and r0 + 8 for a chunk's
+  two 32-element blocks, adjacent in each row: where a row has an even count of blocks they are one
+  aligned 16-bit load a row (``_load_scales``), and one register of both rows' loads gives each
+  block's two bf16 scales in two instructions (``_scale_pairs``): 9 instructions a step where the
+  bytes took 16 (4 loads, each zeroed first for its mask, masked to a byte and shifted into place);
 * **wide writes out of the epilogues.** In the accumulator's layout a thread's outputs are 8 rows
   apart, so written from there every element is its own 2-byte store (GEMM1) or 4-byte atomic
   (GEMM2). GEMM1 puts each 32 rows into shared memory in the split layout's order, so a thread's
