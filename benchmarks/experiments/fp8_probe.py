@@ -47,11 +47,10 @@ if GK.HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from b12x_ops.backends.triton.gluon_kernels import (_barrier, _cp_async, _gemm2_epilogue, _operand_sources,
-                                                        _split_order,
-                                                        _tile_index, _to_operand, warpgroup_mma, warpgroup_mma_wait)
-    from b12x_ops.backends.triton.kernels import _block_tile, _swiglu
-    from b12x_ops.backends.triton.mxtl import mxfp8_apply, mxfp8_block_scale
+    from b12x_ops.backends.triton.gluon_kernels import (_barrier, _cp_async, _gemm1_epilogue, _gemm1_sources,
+                                                        _gemm2_epilogue, _operand_sources, _tile_index, _to_operand,
+                                                        warpgroup_mma, warpgroup_mma_wait)
+    from b12x_ops.backends.triton.kernels import _block_tile
 
     DECODE = gl.constexpr(os.environ.get("FP8_PROBE_DECODE", "1") != "0")
 
@@ -135,23 +134,10 @@ add.u32 $1, o, s;
         kn = k0 + BK
         sb = gl.load(s_src + kn // 32, mask=s_ok & ((kn // 32 + sblk) < KS), other=0).to(gl.int32)
         acc = warpgroup_mma(w8, cur[1].permute((1, 0)), acc, is_async=True)
-        return acc, sb, w8
-
-    @gluon.jit
-    def _step8_in_set(B: gl.constexpr, k0, acc, sb, w_a, w_b, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows,
-                      rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                      STAGES: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr):
-        acc, sb, w8 = _step8(k0, acc, sb, cur, nxt, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK,
-                             STAGES, code_l, p7)
-        if B:
-            w_b = w8
-        else:
-            w_a = w8
         # (triton 3.6's wait takes no 8-bit operands in its list, so only the accumulator is listed:
         # the operand registers may be rewritten while an MMA reads them, which changes values, not
         # the timing this probe is for)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        return acc, sb, w_a, w_b
+        return warpgroup_mma_wait(num_outstanding=1, deps=[acc]), sb
 
     @gluon.jit
     def _mainloop8(w_g, gvalid, s_row, s_ok, x_rows, rvalid_x, RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr,
@@ -171,20 +157,15 @@ add.u32 $1, o, s;
             async_copy.commit_group()
         sb = gl.load(s_src, mask=s_ok & (sblk < KS), other=0).to(gl.int32)
         acc = gl.zeros([R, BM], gl.float32, layout=_mma8(R, BM))
-        w_a = gl.zeros([R, BK], gl.float8e4nv, layout=_a8(R, BM))
-        w_b = gl.zeros([R, BK], gl.float8e4nv, layout=_a8(R, BM))
-        gl.static_assert(STAGES % 2 == 0)
         K1: gl.constexpr = NSTEP % STAGES
         for p in gl.static_range(K1):
-            acc, sb, w_a, w_b = _step8_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, w_a, w_b, ring[p],
-                                              ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk, x_rows,
-                                              rvalid_x, RED, R, BM, BK, STAGES, code_l, p7)
+            acc, sb = _step8(p * BK, acc, sb, ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk, x_rows,
+                             rvalid_x, RED, R, BM, BK, STAGES, code_l, p7)
         for kk in range(NSTEP // STAGES):
             for s in gl.static_range(STAGES):
-                acc, sb, w_a, w_b = _step8_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, w_a, w_b,
-                                                  ring[(K1 + s) % STAGES], ring[(K1 + s + D) % STAGES], c_src, c_ok,
-                                                  s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES,
-                                                  code_l, p7)
+                acc, sb = _step8((K1 + STAGES * kk + s) * BK, acc, sb, ring[(K1 + s) % STAGES],
+                                 ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R,
+                                 BM, BK, STAGES, code_l, p7)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         async_copy.wait_group(0)
         _barrier()
@@ -197,12 +178,6 @@ add.u32 $1, o, s;
                 STAGES: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr):
         """``gluon_kernels._gemm1_block`` on the probe's main loop."""
         R: gl.constexpr = 2 * BN
-        G: gl.constexpr = R // 16
-        KS: gl.constexpr = K // 32
-        NQ: gl.constexpr = (K // 2 + 31) // 32
-        UP0: gl.constexpr = 0 if UP_FIRST else N
-        GATE0: gl.constexpr = N if UP_FIRST else 0
-        NW: gl.constexpr = R // 16
         x_l: gl.constexpr = _x8(R, BK)
         offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
         rvalid_x = offs_r < nrow
@@ -210,33 +185,9 @@ add.u32 $1, o, s;
         offs_k = gl.arange(0, BK, layout=gl.SliceLayout(0, x_l))
         x8 = xq_ptr.to(gl.pointer_type(gl.float8e4nv))  # (the bf16 buffer's first K bytes a row: garbage values)
         x_rows = x8 + (slot_x // TOPK).to(gl.int64)[:, None] * (2 * K) + offs_k[None, :]
-        g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(R, BK, code_l, s5_l)
-        gh = g_c % (G // 2)
-        gw = gl.where(g_c < G // 2, (pid_n * BN + UP0) // 16, (pid_n * BN + GATE0) // 16) + gh
-        w_g = w_ptr + e.to(gl.int64) * (2 * N * NQ * 32) + gw * (NQ * 512)
-        gvalid = (pid_n * BN + 16 * gh) < N
-        r_s = (pid_n * BN + 16 * (g_s % (G // 2)))[:, None, None, None, None] + 8 * h_s[None, None, None, None, :] \
-            + (l_s // 4)[None, None, :, None, None]
-        s_row = s_ptr + e.to(gl.int64) * (2 * N * KS) \
-            + (r_s + gl.where(g_s < G // 2, UP0, GATE0)[:, None, None, None, None]) * KS
-        acc = _mainloop8(w_g, gvalid, s_row, r_s < N, x_rows, rvalid_x, K, R, BM, BK, STAGES, code_l, p7, s5_l)
-        # the package's epilogue
-        EPT: gl.constexpr = BM // NW
-        ep_l: gl.constexpr = gl.BlockedLayout([EPT, 1], [32 // EPT, EPT], [1, NW], [0, 1])
-        acc_s = gl.allocate_shared_memory(gl.float32, [R, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        acc_s.store(_split_order(acc, R, BM))
-        _barrier()
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, ep_l))
-        rvalid = offs_m < nrow
-        rows = (pid_m * BLK + offs_m).to(gl.int64)
-        offs_c = gl.arange(0, 32, layout=gl.SliceLayout(1, ep_l))
-        for jn in gl.static_range(BN // 32):
-            act = _swiglu(acc_s.slice(32 * jn, 32).load(ep_l), acc_s.slice(BN + 32 * jn, 32).load(ep_l), gs_ptr, e,
-                          limit, HAS_GS, HAS_LIMIT)
-            pow2, inv = mxfp8_block_scale(gl.max(gl.abs(act), axis=0))
-            q = mxfp8_apply(act, pow2[None, :], inv[None, :])
-            offs_s = pid_n * BN + 32 * jn + offs_c
-            gl.store(a_ptr + rows[None, :] * N + offs_s[:, None], q, mask=rvalid[None, :] & (offs_s < N)[:, None])
+        w_g, gvalid, s_row, s_ok = _gemm1_sources(pid_n, e, w_ptr, s_ptr, K, N, UP_FIRST, BN, BK, code_l, s5_l)
+        acc = _mainloop8(w_g, gvalid, s_row, s_ok, x_rows, rvalid_x, K, R, BM, BK, STAGES, code_l, p7, s5_l)
+        _gemm1_epilogue(acc, pid_m * BLK, pid_n, e, nrow, gs_ptr, a_ptr, limit, N, HAS_LIMIT, HAS_GS, BM, BN)
 
     @gluon.jit(do_not_specialize=("nblocks", "zrows", "M"))
     def gemm1_fp8_probe_kernel(

@@ -418,17 +418,27 @@ if HAS_GLUON:
                      code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr):
         """``gemm1_gluon_kernel``'s program on the first ``BM`` rows of its ``BLK``-row block."""
         R: gl.constexpr = 2 * BN  # the operand's rows: BN of up (the first half of the warps), then BN of gate
+        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
+        rvalid_x = offs_r < nrow
+        slot_x = gl.load(sorted_ptr + pid_m * BLK + offs_r, mask=rvalid_x, other=0)
+        x_rows = _x_rows(xq_ptr, (slot_x // TOPK).to(gl.int64), K, BK, x_l)
+        w_g, gvalid, s_row, s_ok = _gemm1_sources(pid_n, e, w_ptr, s_ptr, K, N, UP_FIRST, BN, BK, code_l, s5_l)
+        acc = _mainloop(w_g, gvalid, s_row, s_ok, x_rows, rvalid_x, K, R, BM, BK, STAGES, FOLD, mma, a_l, code_l, p7,
+                        s5_l, x_l)
+        _gemm1_epilogue(acc, pid_m * BLK, pid_n, e, nrow, gs_ptr, a_ptr, limit, N, HAS_LIMIT, HAS_GS, BM, BN)
+
+    @gluon.jit
+    def _gemm1_sources(pid_n, e, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr, UP_FIRST: gl.constexpr,
+                       BN: gl.constexpr, BK: gl.constexpr, code_l: gl.constexpr, s5_l: gl.constexpr):
+        """A GEMM1 tile's weight sources for ``_mainloop`` (columns ``pid_n * BN ..`` of up and of gate of
+        expert ``e``: the first ``BN / 16`` row groups of up, the rest of gate):
+        ``(w_g, gvalid, s_row, s_ok)``."""
+        R: gl.constexpr = 2 * BN
         G: gl.constexpr = R // 16
         KS: gl.constexpr = K // 32
         NQ: gl.constexpr = (K // 2 + 31) // 32
         UP0: gl.constexpr = 0 if UP_FIRST else N
         GATE0: gl.constexpr = N if UP_FIRST else 0
-        NW: gl.constexpr = R // 16
-        offs_r = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
-        rvalid_x = offs_r < nrow
-        slot_x = gl.load(sorted_ptr + pid_m * BLK + offs_r, mask=rvalid_x, other=0)
-        x_rows = _x_rows(xq_ptr, (slot_x // TOPK).to(gl.int64), K, BK, x_l)
-        # the tile's row groups: the first G / 2 of up, the rest of gate
         g_c, q_c, l_c, b_c, g_s, q_s, l_s, s_s, h_s = _tile_index(R, BK, code_l, s5_l)
         gh = g_c % (G // 2)
         gw = gl.where(g_c < G // 2, (pid_n * BN + UP0) // 16, (pid_n * BN + GATE0) // 16) + gh
@@ -438,12 +448,17 @@ if HAS_GLUON:
             + (l_s // 4)[None, None, :, None, None]  # the lane's intermediate columns
         s_row = s_ptr + e.to(gl.int64) * (2 * N * KS) \
             + (r_s + gl.where(g_s < G // 2, UP0, GATE0)[:, None, None, None, None]) * KS
-        acc = _mainloop(w_g, gvalid, s_row, r_s < N, x_rows, rvalid_x, K, R, BM, BK, STAGES, FOLD, mma, a_l, code_l,
-                        p7, s5_l, x_l)
+        return w_g, gvalid, s_row, r_s < N
 
-        # epilogue (kernels._store_act): up and gate meet in shared memory; 32 columns at a time, a
-        # thread takes EPT of one token's (SwiGLU, then the MXFP8 quant-dequant of the 32, the
-        # split layout)
+    @gluon.jit
+    def _gemm1_epilogue(acc, row0, pid_n, e, nrow, gs_ptr, a_ptr, limit, N: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                        HAS_GS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+        """GEMM1's epilogue (``kernels._store_act``): the ``[2 BN, BM]`` accumulator (up rows, then gate) of
+        the block's rows from ``row0`` (``nrow`` real) to ``dq8(silu(gate) * up)`` in ``a``'s rows. Up and
+        gate meet in shared memory; 32 columns at a time, a thread takes EPT of one token's (SwiGLU, then
+        the MXFP8 quant-dequant of the 32, the split layout)."""
+        R: gl.constexpr = 2 * BN
+        NW: gl.constexpr = R // 16
         EPT: gl.constexpr = BM // NW  # (BM // NW divides 32)
         ep_l: gl.constexpr = gl.BlockedLayout([EPT, 1], [32 // EPT, EPT], [1, NW], [0, 1])
         acc_s = gl.allocate_shared_memory(gl.float32, [R, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -454,7 +469,7 @@ if HAS_GLUON:
         _barrier()
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, ep_l))
         rvalid = offs_m < nrow
-        rows = (pid_m * BLK + offs_m).to(gl.int64)
+        rows = (row0 + offs_m).to(gl.int64)
         offs_c = gl.arange(0, 32, layout=gl.SliceLayout(1, ep_l))  # the split layout's column in a block
         for jn in gl.static_range(BN // 32):
             # (the tl.dot kernel's own helpers, compiled here in Gluon: the same arithmetic)
