@@ -826,3 +826,27 @@ def test_interp_experiments_run(script, argv, monkeypatch, capsys):
     assert "tiny M=" in out
     if script not in ("gluon_gemms", "gluon_ws", "gemv_mma_forms"):  # (their Gluon forms do not run here: FAILED)
         assert "FAILED" not in out and "failed:" not in out, out
+
+
+@inner
+def test_interp_prepare_aligns_scale_bytes_given_at_an_odd_address():
+    """A checkpoint's scale bytes may be a contiguous view at any address; the handle keeps them 16-byte
+    aligned (a copy where they are not: the Gluon kernels load two at a time) and the call's result
+    is the same as with the bytes where they were."""
+    layer = make_layer(E=4, K=64, N=64, top_k=2)
+
+    def odd(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+        v = buf[1:].view(t.shape)
+        v.copy_(t)
+        assert v.is_contiguous() and v.data_ptr() % 2 == 1
+        return v
+
+    shifted = dataclasses.replace(layer, w13_scale=odd(layer.w13_scale), w2_scale=odd(layer.w2_scale))
+    h, h0 = shifted.prepare(backend="triton", max_tokens=8), layer.prepare(backend="triton", max_tokens=8)
+    for name in ("w13_scale", "w2_scale"):
+        kept = getattr(h._state, name)
+        assert kept.data_ptr() % 16 == 0 and torch.equal(kept, getattr(layer, name)), name
+    assert getattr(h0._state, "w13_scale").data_ptr() == layer.w13_scale.data_ptr()  # (aligned: no copy)
+    x, ids, w = make_batch(layer, 5)
+    assert torch.equal(b12x_ops.moe_w4a8(x, ids, w, h), b12x_ops.moe_w4a8(x, ids, w, h0))
