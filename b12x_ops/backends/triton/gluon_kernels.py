@@ -67,8 +67,8 @@ except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON = False
 
 from .kernels import _block_tile, _swiglu
-from .mxtl import _DECODE_PTX, _DECODE_PTX_FOLD, _SCALE_PAIRS_PTX, _SCALE_PAIRS_PTX_FOLD, mxfp8_apply, mxfp8_block_scale
-
+from .mxtl import (_DECODE_PTX, _DECODE_PTX_FOLD, _SCALE_PAIRS_PTX, _SCALE_PAIRS_PTX_FOLD, mxfp8_apply,
+                   mxfp8_block_scale)
 
 if HAS_GLUON:
 
@@ -303,9 +303,10 @@ if HAS_GLUON:
     def _load_scales(src, ok, PAIRED: gl.constexpr):
         """A step's scale bytes: ``src`` the ``[G, Q, 32, 2, 2]`` pointers of a lane's (rows r0 and r0 + 8
         of each chunk's two 32-element blocks), ``ok`` which to load (the others 0). Returns them as
-        loaded (uint8), or with ``PAIRED`` (a row's blocks an even count, the tensor 2-byte aligned) as
-        ``[G, Q, 32, 2]`` uint16, a row's two blocks of a chunk in one load (``_scale_pairs``): half
-        the loads, and half the registers held until the decode."""
+        loaded (uint8), or with ``PAIRED`` (a row's blocks an even count; the handle keeps the bytes
+        16-byte aligned, ``backends.triton.prepare``) as ``[G, Q, 32, 2]`` uint16, a row's two blocks
+        of a chunk in one load (``_scale_pairs``): half the loads, and half the registers held until
+        the decode."""
         if PAIRED:
             src = gl.split(gl.permute(src, (0, 1, 2, 4, 3)))[0]  # (a chunk's first block)
             ok = gl.split(gl.permute(ok, (0, 1, 2, 4, 3)))[0]

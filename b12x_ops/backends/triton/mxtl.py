@@ -62,9 +62,10 @@ _DECODE_PTX_FOLD = tl.constexpr(_decode_repacked_ptx_source(fold=True))
 
 
 def _scale_pairs_ptx_source(fold: bool) -> str:
-    """The asm of ``gluon_kernels._scale_pairs``: ``$2`` holds the scale bytes ``[r0 s0, r0 s1, r8 s0, r8 s1]`` (rows r0 and
-    r0 + 8 of a lane, a chunk's blocks s0 and s1); ``$0`` gets the bf16 pair (r0, r8) of block s0 and
-    ``$1`` of block s1, each ``byte << 7`` plus ``126 << 7`` with ``fold`` (``_ptx_scales``)."""
+    """The asm of ``gluon_kernels._scale_pairs``: ``$2`` holds the scale bytes ``[r0 s0, r0 s1, r8 s0,
+    r8 s1]`` (rows r0 and r0 + 8 of a lane, a chunk's blocks s0 and s1); ``$0`` gets the bf16 pair
+    (r0, r8) of block s0 and ``$1`` of block s1, each ``byte << 7`` plus ``126 << 7`` with ``fold``
+    (``_ptx_scales``'s values, two at a time: a mask or a byte permute, then one multiply-add)."""
     bias = "0x3F003F00" if fold else "0"
     return "\n".join(["{", ".reg .b32 t;", "and.b32 t, $2, 0x00FF00FF;", f"mad.lo.u32 $0, t, 128, {bias};",
                       "prmt.b32 t, $2, 0, 0x4341;", f"mad.lo.u32 $1, t, 128, {bias};", "}"])
