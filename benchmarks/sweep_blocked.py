@@ -1,13 +1,14 @@
 """Tile sweep of the blocked path's GEMMs on a CUDA GPU.
 
     python benchmarks/sweep_blocked.py [--geometries ...] [--sizes ...] [--layers 3] [--budget 300]
-        [--g1 BN,BK,WARPS,STAGES ...] [--g2 ...] [--bm ...]
+        [--g1 BN,BK,WARPS,STAGES[,g] ...] [--g2 ...] [--bm ...]
 
 For every geometry and M, the whole op (four launches) is timed as CUDA-graph replay over
 ``--layers`` layers' handles for each candidate configuration: the default (with the inline-PTX
 decode and without it), then per block size every GEMM1
 tile with the default GEMM2 tile and
-every GEMM2 tile with the best GEMM1 tile (``--g1``/``--g2``/``--bm`` replace the lists). Each configuration's output is checked against the
+every GEMM2 tile with the best GEMM1 tile (``--g1``/``--g2``/``--bm`` replace the lists; a tile ending in ``,g``
+is the GEMM's Gluon form, ``gluon_kernels``, sm_90). Each configuration's output is checked against the
 reference first. Prints a table per geometry (and writes it to ``--out``); stops cleanly when
 ``--budget`` seconds have passed. This is how the defaults in ``plan._REGIMES`` were chosen
 (``results/sweep_blocked.md`` was made when the row-major GEMMs still existed: its R rows).
@@ -32,8 +33,16 @@ from b12x_ops.backends.triton import plan as P  # noqa: E402
 from bench_moe import (GEOMETRIES, adapt_handles, graph_time, layer_batches, load_variant, markdown_log, rel_l2,  # noqa: E402
                        random_layer)
 
-G1 = [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)]
-G2 = [(64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 4, 3)]
+G1 = [(64, 128, 4, 3, False), (128, 64, 8, 3, False), (64, 64, 4, 4, False), (128, 128, 8, 3, False)]
+G2 = [(64, 128, 4, 3, False), (128, 128, 8, 3, False), (128, 64, 4, 3, False), (64, 256, 4, 3, False)]
+
+
+def tile(spec: str) -> tuple:
+    """``BN,BK,WARPS,STAGES`` (tl.dot) or ``BN,BK,WARPS,STAGES,g`` (Gluon) as ``(bn, bk, warps, stages, gluon)``."""
+    parts = spec.split(",")
+    if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "g"):
+        raise SystemExit(f"sweep_blocked: tile {spec!r} is not BN,BK,WARPS,STAGES[,g]")
+    return tuple(map(int, parts[:4])) + (len(parts) == 5,)
 
 
 def block_sizes(M, g):
@@ -56,13 +65,15 @@ def main(argv=None):
     ap.add_argument("--out", default="sweep_blocked.md")
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ whose blocked GEMMs replace the package's (bench_moe.py --variant)")
-    ap.add_argument("--g1", nargs="*", default=None, help="GEMM1 tiles to try, each BN,BK,WARPS,STAGES")
-    ap.add_argument("--g2", nargs="*", default=None, help="GEMM2 tiles to try, each BN,BK,WARPS,STAGES")
+    ap.add_argument("--g1", nargs="*", default=None,
+                    help="GEMM1 tiles to try, each BN,BK,WARPS,STAGES, with ,g for the Gluon form")
+    ap.add_argument("--g2", nargs="*", default=None,
+                    help="GEMM2 tiles to try, each BN,BK,WARPS,STAGES, with ,g for the Gluon form")
     ap.add_argument("--ptx-only", action="store_true", help="leave out the decode without inline PTX")
     ap.add_argument("--bm", nargs="*", type=int, default=None, help="block sizes to try (default: by rows an expert)")
     args = ap.parse_args(argv)
-    g1s = [tuple(map(int, t.split(","))) for t in args.g1] if args.g1 else G1
-    g2s = [tuple(map(int, t.split(","))) for t in args.g2] if args.g2 else G2
+    g1s = [tile(t) for t in args.g1] if args.g1 else G1
+    g2s = [tile(t) for t in args.g2] if args.g2 else G2
     variant = load_variant(args.variant)
     t_start = time.perf_counter()
     emit = markdown_log(args.out, f"# Blocked-path tile sweep ({torch.cuda.get_device_name()}); whole op, "
@@ -114,8 +125,9 @@ def main(argv=None):
                 except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run
                     t, err, regs = float("inf"), float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}"
                 results[(cfg, tag)] = t
-                tiles = tag + "gemv" if cfg.gemv else tag + (f"bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)} "
-                                                 f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}")
+                tiles = tag + "gemv" if cfg.gemv else tag + (
+                    f"bm={cfg.bm} g1={(cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1)}{' Gluon' * cfg.gluon} "
+                    f"g2={(cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2)}{' Gluon' * cfg.gluon2}")
                 bad = "" if err <= 1e-2 else " WRONG"
                 emit(f"| {M} | {tiles} | {t:.1f} | {err:.1e}{bad} | {regs} |")
                 return t if err <= 1e-2 else float("inf")
@@ -130,14 +142,14 @@ def main(argv=None):
                 c0 = dataclasses.replace(base_t, bm=bm)
                 best1, bt = None, float("inf")
                 for g1 in g1s:
-                    c = dataclasses.replace(c0, bn1=g1[0], bk1=g1[1], warps1=g1[2], stages1=g1[3])
+                    c = dataclasses.replace(c0, bn1=g1[0], bk1=g1[1], warps1=g1[2], stages1=g1[3], gluon=g1[4])
                     t = trial(c)
                     if t < bt:
                         best1, bt = c, t
                 if best1 is None:
                     continue
                 for g2 in g2s:
-                    trial(dataclasses.replace(best1, bn2=g2[0], bk2=g2[1], warps2=g2[2], stages2=g2[3]))
+                    trial(dataclasses.replace(best1, bn2=g2[0], bk2=g2[1], warps2=g2[2], stages2=g2[3], gluon2=g2[4]))
             ok = {c: t for (c, tag), t in results.items() if t < float("inf") and not tag}
             if ok:
                 best = min(ok, key=ok.get)

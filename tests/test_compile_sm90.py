@@ -213,7 +213,8 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold, monk
     triton 3.9's adds one a loop trip, at the back edge), shared memory within an SM's, and no local
     memory (16-warp tiles keep a few bytes of stack at their 128-register cap, the 64-row ones at
     theirs), and the epilogues' global writes 8 or 16 bytes wide (GEMM2 in both reduction modes; GEMM1
-    also where it zeroes GEMM2's accumulator)."""
+    also where it zeroes GEMM2's accumulator); also the 4-warp forms of 16-row blocks (32 weight rows a
+    warp)."""
     import dataclasses
     import re
 
@@ -225,14 +226,19 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold, monk
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=fold)
     gp.ptx, gp.fold, gp.dot_dtype = True, fold, triton.language.bfloat16
     big = dataclasses.replace(P.default_config(8192, g), gluon=True, **P.GLUON_GEMM1)
-    forms = [(1, big), (2, dataclasses.replace(big, gluon2=True, bn2=128, bk2=64, stages2=4)),
-             (2, dataclasses.replace(big, gluon2=True, bn2=256, bk2=64, stages2=4)),
-             (1, dataclasses.replace(big, bm=64, bn1=64)), (1, dataclasses.replace(big, bm=32, bn1=64)),
+    forms = [(1, big), (2, dataclasses.replace(big, gluon2=True, bn2=128, bk2=64, stages2=4, warps2=8)),
+             (2, dataclasses.replace(big, gluon2=True, bn2=256, bk2=64, stages2=4, warps2=16)),
+             (1, dataclasses.replace(big, bm=64, bn1=64, warps1=8)), (1, dataclasses.replace(big, bm=32, bn1=64, warps1=8)),
              (2, dataclasses.replace(big, bm=32, gluon2=True, **P.GLUON_GEMM2_SMALL)),
              (2, dataclasses.replace(big, bm=64, gluon2=True, **P.GLUON_GEMM2_SMALL)),
              (2, dataclasses.replace(big, gluon2=True, atomic=not big.atomic, **P.GLUON_GEMM2)),
              # (GEMM1 zeroing GEMM2's accumulator, ``plan.acc_zero_mode``: 16-byte stores too)
-             (1, dataclasses.replace(big, atomic=True)), (1, dataclasses.replace(big, bm=64, bn1=64, atomic=True))]
+             (1, dataclasses.replace(big, atomic=True)),
+             (1, dataclasses.replace(big, bm=64, bn1=64, warps1=8, atomic=True)),
+             # (16-row blocks: 4 warps of 32 weight rows, 6 stages)
+             (1, dataclasses.replace(big, bm=16, **P.GLUON_GEMM1_16)),
+             (1, dataclasses.replace(big, bm=16, atomic=True, **P.GLUON_GEMM1_16)),
+             (2, dataclasses.replace(big, bm=16, gluon2=True, **P.GLUON_GEMM2_16))]
     # (where GEMM1 zeroes the accumulator in atomic plans: first, and once last)
     forms = [(which, cfg, "gemm1") for which, cfg in forms] + [(1, dataclasses.replace(big, atomic=True), "gemm1_last")]
     for which, cfg, where in forms:
@@ -251,10 +257,16 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold, monk
         else:  # (under the cap ptxas waits for each step's MMAs: the trade ``plan.GLUON_BM64_MAXNREG`` measured)
             assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in sass, what
         assert offline.wgmma_operand_hazards(sass) == [], what
-        n, ops = max(offline.loop_profile(ck.asm["cubin"]), key=lambda loop: loop[0])
-        bk = cfg.bk1 if which == 1 else cfg.bk2
-        steps = ops["HGMMA"] // (bk // 16)  # (bk / 16 HGMMA a step)
-        assert steps >= 2 and steps <= ops["BAR"] <= steps + 1, (what, ops["BAR"], steps)
+        bk, stages = (cfg.bk1, cfg.stages1) if which == 1 else (cfg.bk2, cfg.stages2)
+        loops = offline.loop_profile(ck.asm["cubin"])
+        # (a reduction of fewer than two trips of the unrolled loop compiles to straight code: DSv4's GEMM2
+        # of 9 steps at 6 stages)
+        assert loops or -(-(g.hidden_size if which == 1 else g.intermediate_size) // bk) < 2 * stages, what
+        if loops:
+            n, ops = max(loops, key=lambda loop: loop[0])
+            rpw = (2 * cfg.bn1 // cfg.warps1) if which == 1 else (cfg.bn2 // cfg.warps2)  # (weight rows a warp)
+            steps = ops["HGMMA"] // (bk // 16 * rpw // 16)  # (bk / 16 HGMMA a step, twice with 32 rows a warp)
+            assert steps >= 2 and steps <= ops["BAR"] <= steps + 1, (what, ops["BAR"], steps)
         assert ck.metadata.shared <= 227 * 1024, what
         assert "LOCAL:0" in offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", ""), what
         # the epilogues' global writes: GEMM1's activations 8 or 16 bytes a store (4 or 8 bf16, the half

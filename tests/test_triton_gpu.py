@@ -439,7 +439,8 @@ def test_gpu_gluon_gemms_match_tl_gemms(name):
     """The GEMMs in Gluon (``gluon_kernels``: asynchronous MMAs under the next step's decode; sm_90)
     write the same bits as the ``tl.dot`` GEMMs of the same block size and K step (GEMM1's
     intermediate activations, GEMM2's per-slot rows of the deterministic form), for blocks of 16, 64
-    and 128 rows, both tile heights, several K steps and pipeline depths, tails of K and N, padding,
+    and 128 rows, both tile heights, 16 or 32 weight rows a warp (the latter up to 32-row blocks),
+    several K steps and pipeline depths, tails of K and N, padding,
     both W13 layouts, the limit and the global scales; and the whole op with both stays within the reference's bound.
     (One routing pass serves each comparison: with several routing programs the order of a block's
     rows depends on their atomics.)"""
@@ -470,19 +471,28 @@ def test_gpu_gluon_gemms_match_tl_gemms(name):
                 _launch_all(st, cfg, x, ids, w, out, stages=(stage,))
                 return t.clone()
 
-            for bn1, bk, stages in ((64, 128, 4), (64, 64, 4), (128, 64, 4), (128, 64, 6), (64, 64, 6)):
+            # (Gluon warps: 16 weight rows a warp, or 32 where the block is small enough for its registers)
+            for bn1, bk, stages, rpw in ((64, 128, 4, 16), (64, 64, 4, 16), (64, 64, 6, 32), (128, 64, 4, 16),
+                                         (128, 64, 4, 32), (128, 64, 6, 16), (64, 64, 6, 16)):
+                if rpw == 32 and bm > 32:
+                    continue
                 tl1 = dataclasses.replace(base, bn1=bn1, bk1=bk, warps1=4 * bn1 // 64, stages1=2)
                 want = written(tl1, "gemm1", "act")
-                act = written(dataclasses.replace(tl1, gluon=True, stages1=stages), "gemm1", "act")
-                assert torch.equal(act.view(torch.int16), want.view(torch.int16)), ("gemm1", name, M, bm, bn1, bk)
-            for bn2, bk, stages in ((128, 64, 4), (256, 64, 4), (128, 128, 4), (256, 64, 6)):
+                act = written(dataclasses.replace(tl1, gluon=True, stages1=stages, warps1=2 * bn1 // rpw), "gemm1",
+                              "act")
+                assert torch.equal(act.view(torch.int16), want.view(torch.int16)), ("gemm1", name, M, bm, bn1, bk, rpw)
+            for bn2, bk, stages, rpw in ((128, 64, 4, 16), (128, 64, 6, 32), (256, 64, 4, 16), (256, 64, 4, 32),
+                                         (128, 128, 4, 16), (256, 64, 6, 16)):
+                if rpw == 32 and bm > 32:
+                    continue
                 tl2 = dataclasses.replace(base, bn2=bn2, bk2=bk, warps2=4 * bn2 // 128, stages2=2)
                 want = written(tl2, "gemm2", "slots")
-                slots = written(dataclasses.replace(tl2, gluon2=True, stages2=stages), "gemm2", "slots")
-                assert torch.equal(slots, want), ("gemm2", name, M, bm, bn2, bk)
+                slots = written(dataclasses.replace(tl2, gluon2=True, stages2=stages, warps2=bn2 // rpw), "gemm2",
+                                "slots")
+                assert torch.equal(slots, want), ("gemm2", name, M, bm, bn2, bk, rpw)
             for atomic in (False, True):
-                both = dataclasses.replace(base, gluon=True, bn1=128, bk1=64, stages1=4, gluon2=True, bn2=256,
-                                           bk2=64, stages2=4, atomic=atomic)
+                both = dataclasses.replace(base, gluon=True, bn1=128, bk1=64, stages1=4, warps1=16, gluon2=True,
+                                           bn2=256, bk2=64, stages2=4, warps2=16, atomic=atomic)
                 st.plans.reserve(M, both)
                 _launch_all(st, both, x, ids, w, out)
                 assert rel_l2(out, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, (name, M, bm, atomic)
@@ -493,7 +503,8 @@ def test_gpu_gluon_gemm1_zeroes_the_accumulator(name, monkeypatch):
     """Atomic plans with the Gluon GEMM1 zero GEMM2's fp32 accumulator there, not in the prologue
     (``plan.acc_zero_in_gemm1``, sm_90): over an accumulator of sevens the prologue leaves it, GEMM1
     zeroes its first M rows and nothing past them (before its main loop or after its epilogue, both
-    places), at 37 and 700 tokens and 32-, 64- and 128-row blocks (programs of one row to several),
+    places), at 37 and 700 tokens and 32-, 64- and 128-row blocks, and 16-row ones where GEMM1 takes
+    Gluon there (programs of one row to several),
     the padding blocks' programs too; the whole op then stays within the reference's bound
     and within the atomics' reordering of the output with the zeros in the prologue
     (``B12X_OPS_TRITON_ACC_ZERO=prologue``)."""
@@ -513,7 +524,8 @@ def test_gpu_gluon_gemm1_zeroes_the_accumulator(name, monkeypatch):
     for i, M in enumerate((37, 700)):
         x, ids, w = make_batch(layer, M, seed=120 + i, device="cuda", padding_rows=3)
         want = b12x_ops.moe_w4a8(x, ids, w, ref)
-        for bm, where in [(bm, where) for bm in (32, 64, 128) for where in ("gemm1", "gemm1_last")]:
+        bms = (32, 64, 128) + ((16,) if P.gluon_forms(16, gp.geometry)[0] else ())  # (16: GEMM1 of a short N)
+        for bm, where in [(bm, where) for bm in bms for where in ("gemm1", "gemm1_last")]:
             monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", where)
             cfg = gp.with_gluon(dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=bm, atomic=True))
             assert cfg.gluon and P.acc_zero_in_gemm1(cfg), (name, M, bm)

@@ -4,6 +4,8 @@ default is among what the tuner times. (The kernels themselves run in ``test_tri
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
@@ -156,6 +158,11 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
         cfg = P.default_config(tokens, g)
         got = gp.with_gluon(cfg)
         assert got.bm == cfg.bm and got.atomic == cfg.atomic and got.gemv == cfg.gemv
+        if not cfg.gemv and cfg.bm == 16 and g.intermediate_size < P.GLUON_16_MAX_N:
+            # (16-row blocks of a short N: GEMM1 in 4 warps of 32 weight rows, GEMM2 tl.dot)
+            assert got == dataclasses.replace(cfg, gluon=True, **P.GLUON_GEMM1_16) and got.warps1 == 2 * got.bn1 // 32
+            assert gp.stages(got, tokens)[1].num_warps == 4
+            continue
         if cfg.gemv or cfg.bm < P.GLUON_MIN_BM:
             assert got == cfg
             continue
@@ -175,6 +182,9 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
     for bm in (16, 32, 64, 128):  # (every block size: what gluon_forms picks, or tl.dot below GLUON_MIN_BM)
         f1, f2 = P.gluon_forms(bm)
         assert (f1 is None) == (f2 is None) == (bm < P.GLUON_MIN_BM)
+        f1, f2 = P.gluon_forms(bm, g)
+        assert (f1 is None) == (bm < P.GLUON_MIN_BM and (bm != 16 or g.intermediate_size >= P.GLUON_16_MAX_N))
+        assert (f2 is None) == (bm < P.GLUON_MIN_BM)
     gp.gluon = False
     assert gp.with_gluon(P.default_config(8192, g)) == P.default_config(8192, g)
 
@@ -186,7 +196,6 @@ def test_the_accumulator_is_zeroed_once_by_gluon_gemm1_or_the_prologue(name, mon
     epilogue), else the prologue, and by neither in the deterministic form (no accumulator) or on the
     GEMV path (no GEMM2 accumulator); ``B12X_OPS_TRITON_ACC_ZERO`` picks the place, each in launches
     of its own, and an unknown place is an error naming the variable."""
-    import dataclasses
 
     g = geometry(*GEOS[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
@@ -227,19 +236,28 @@ def test_tuner_times_the_gluon_gemms_where_they_run(name, tokens):
     assert cands[:len(plain)] == plain
     extra = cands[len(plain):]
     sizes = sorted({bm for bm, _, _ in P._regime(tokens, g) if bm >= P.GLUON_TUNE_MIN_BM})
-    assert sorted({c.bm for c in extra}) == sizes and len(extra) == 4 * len(sizes)
-    forms1 = {tuple(f[k] for k in ("bn1", "bk1", "stages1", "warps1")) for f in (P.GLUON_GEMM1, P.GLUON_GEMM1_SMALL)}
+    # (two forms of each GEMM a block size, three at 16-row blocks: the 4-warp ones too)
+    assert sorted({c.bm for c in extra}) == sizes and len(extra) == sum(6 if bm == 16 else 4 for bm in sizes)
+    forms1 = {tuple(f[k] for k in ("bn1", "bk1", "stages1", "warps1"))
+              for f in (P.GLUON_GEMM1, P.GLUON_GEMM1_SMALL, P.GLUON_GEMM1_16)}
+    forms2 = {tuple(f[k] for k in ("bn2", "bk2", "stages2", "warps2"))
+              for f in (P.GLUON_GEMM2, P.GLUON_GEMM2_SMALL, P.GLUON_GEMM2_16)}
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
     for c in extra:
         assert c.gluon != c.gluon2 and not c.gemv and c.atomic == plain[0].atomic
         if c.gluon:
             assert c.bn1 in (64, 128) and c.stages1 >= 4 and c.stages1 % 2 == 0
             assert (c.bn1, c.bk1, c.stages1, c.warps1) in forms1
-            assert c.warps1 == c.bn1 // 8  # (the launch's warps)
+            assert c.warps1 in (c.bn1 // 8, c.bn1 // 16) and (c.warps1 == c.bn1 // 8 or c.bm == 16)
         else:
             assert c.bn2 in (128, 256) and c.stages2 >= 4 and c.stages2 % 2 == 0
-            assert c.warps2 == c.bn2 // 16  # (the launch's warps)
+            assert (c.bn2, c.bk2, c.stages2, c.warps2) in forms2
+            assert c.warps2 in (c.bn2 // 16, c.bn2 // 32) and (c.warps2 == c.bn2 // 16 or c.bm == 16)
+        # (the launch takes the config's warps)
+        stage = gp.stages(c, tokens)[1 if c.gluon else 2]
+        assert stage.num_warps == (c.warps1 if c.gluon else c.warps2)
     # the tuner keys a stage by its tile and form (``_tune_one``): per block size, the tl.dot keys are
-    # the plain search's and each Gluon form of GEMM1 / GEMM2 adds one key
+    # the plain search's and each Gluon form of GEMM1 / GEMM2 adds one key (the 4-warp forms at 16 rows too)
     for bm in sizes:
         k1 = {(c.tiles1(), c.gluon) for c in cands if c.bm == bm}
         k2 = {(c.tiles2(), c.gluon2) for c in cands if c.bm == bm}
@@ -247,7 +265,8 @@ def test_tuner_times_the_gluon_gemms_where_they_run(name, tokens):
             (c.tiles1(), True) for c in extra if c.bm == bm and c.gluon}
         assert k2 == {(c.tiles2(), False) for c in plain if c.bm == bm} | {
             (c.tiles2(), True) for c in extra if c.bm == bm and c.gluon2}
-        assert len(k1) == len({(c.tiles1(), False) for c in plain if c.bm == bm}) + 2
+        assert len(k1) == len({(c.tiles1(), False) for c in plain if c.bm == bm}) + (3 if bm == 16 else 2)
+        assert len(k2) == len({(c.tiles2(), False) for c in plain if c.bm == bm}) + (3 if bm == 16 else 2)
 
 
 @pytest.mark.parametrize("name", list(GEOS))
@@ -258,7 +277,6 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
     chunk once (``mma_config``), its launches pass ``_check_mma`` and take their constexprs last,
     eager calls fall back to the one-launch tl.dot GEMV, and a config the kernels cannot run is
     refused before anything compiles."""
-    import dataclasses
 
     g = geometry(*GEOS[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)

@@ -72,16 +72,20 @@ from .mxtl import (_DECODE_PTX, _DECODE_PTX_FOLD, _SCALE_PAIRS_PTX, _SCALE_PAIRS
 
 if HAS_GLUON:
 
-    def layouts(rows: int, bm: int) -> dict:
-        """The layouts of a program of ``rows`` operand rows and ``bm`` block rows, one warp a 16-row
-        group (a warpgroup 64 rows): the kernels' last constexprs. ``mma`` the accumulator, ``a_l``
+    def layouts(rows: int, bm: int, nw: int | None = None) -> dict:
+        """The layouts of a program of ``rows`` operand rows and ``bm`` block rows in ``nw`` warps (default
+        ``rows / 16``): warp w takes the 16-row groups w, w + nw, .. (a warpgroup 64 rows of an MMA, ``rows
+        / (4 nw)`` MMAs a step): the kernels' last constexprs. ``mma`` the accumulator, ``a_l``
         the wgmma's register operand (what the decode's asm produces in place), ``code_l`` the
         loaded ``[G, Q, 32, 16]`` code tile (a lane 16 contiguous bytes a chunk, as
         ``mxtl.load_repacked``), ``p7`` that tile split ``[g, q, lane, s, kh, rh, kk]`` and ``s5_l``
         its scale bytes ``[g, q, lane, s, rh]`` (rows r0 and r0 + 8 of a lane, a chunk's two
         32-element blocks), ``x_l`` the activation copies' ``[bm, bk / 2]`` (16 bytes a thread);
         ``mma_h``, ``a_l_h`` the accumulator and operand of the half tile (``HALF``: bm / 2 rows)."""
-        nw = rows // 16
+        nw = nw or rows // 16
+        if nw % 4 or (rows // 16) % nw:
+            raise ValueError(f"gluon_kernels.layouts: {nw} warps for {rows} rows (whole warpgroups, whole 16-row "
+                             "groups a warp)")
         mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, bm, 16])
         p7 = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [nw, 1, 1, 1, 1, 1, 1],
                               [6, 5, 4, 3, 2, 1, 0])
@@ -389,11 +393,11 @@ if HAS_GLUON:
         ``acc`` (``[M, K]``) first (1) or last (2), in the prologue's place: fire-and-forget stores
         beside a compute-bound kernel instead of the prologue's largest write."""
         if ZERO_ACC == 1:
-            _zero_rows(acc_ptr, zrows, M, K, BN // 8)
+            _zero_rows(acc_ptr, zrows, M, K, gl.num_warps())
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
         if e < 0:
             if ZERO_ACC == 2:
-                _zero_rows(acc_ptr, zrows, M, K, BN // 8)
+                _zero_rows(acc_ptr, zrows, M, K, gl.num_warps())
             return
         nrow = gl.load(blk_rows_ptr + pid_m)
         if HALF:
@@ -409,7 +413,7 @@ if HAS_GLUON:
             _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
                          UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
         if ZERO_ACC == 2:
-            _zero_rows(acc_ptr, zrows, M, K, BN // 8)
+            _zero_rows(acc_ptr, zrows, M, K, gl.num_warps())
 
     @gluon.jit
     def _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K: gl.constexpr,
@@ -459,7 +463,7 @@ if HAS_GLUON:
         gate meet in shared memory; 32 columns at a time, a thread takes EPT of one token's (SwiGLU, then
         the MXFP8 quant-dequant of the 32, the split layout)."""
         R: gl.constexpr = 2 * BN
-        NW: gl.constexpr = R // 16
+        NW: gl.constexpr = gl.num_warps()
         EPT: gl.constexpr = BM // NW  # (BM // NW divides 32)
         ep_l: gl.constexpr = gl.BlockedLayout([EPT, 1], [32 // EPT, EPT], [1, NW], [0, 1])
         acc_s = gl.allocate_shared_memory(gl.float32, [R, BM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))

@@ -93,9 +93,10 @@ class Config:
     # the GEMV path without xq only: gemv1 and gemv2 as one launch (``kernels.gemv_fused_kernel``)
     fused: bool = False
     # the blocked path on sm_90 only: GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``: bn1 = 64
-    # or 128 in bn1 / 8 warps, an even stages1 >= 4), its MMAs asynchronous under the next step's decode;
-    # ``gluon2`` the same for GEMM2 (``gemm2_gluon_kernel``: bn2 = 128 or 256 in bn2 / 16 warps, an even
-    # stages2 >= 4). Untuned plans set them by block size (``gluon_forms``)
+    # or 128 in warps1 = bn1 / 8 or bn1 / 16 warps, 16 or 32 weight rows a warp, an even stages1 >= 4),
+    # its MMAs asynchronous under the next step's decode; ``gluon2`` the same for GEMM2
+    # (``gemm2_gluon_kernel``: bn2 = 128 or 256 in bn2 / 16 or bn2 / 32 warps, an even stages2 >= 4).
+    # Untuned plans set them by block size (``gluon_forms``)
     gluon: bool = False
     gluon2: bool = False
     # the GEMV path on sm_90 only: gemv1 and gemv2 on mma.sync in Gluon (``gluon_gemv``), x quantized
@@ -192,15 +193,28 @@ def pdl_status(device) -> tuple[bool, str]:
 #   M = 2048 (64-row blocks) gpt-oss GEMM1 1137 -> 1002 us, GEMM2 -> 498 (whole op 1809 -> 1684 with
 #   GEMM2 alone), the DeepSeek rank GEMM1 684 -> 632 (the 128-column form 775: slower); at M = 512
 #   gpt-oss (32-row blocks) GEMM1 467 -> 444, Qwen3 (64) 154 -> 142, and GEMM2 whole op -26 / -10 us.
-# - 16-row blocks stay tl.dot: the Gluon forms were slower there on gpt-oss and Qwen3.
-GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=16)  # (128-row blocks; warps: the launch's, bn1 / 8)
+# - 16-row blocks (8-128 tokens; DSv4 up to 512): GEMM1 in Gluon where N < GLUON_16_MAX_N, in 64 columns
+#   of up and gate a program in 4 warps (32 weight rows a warp: one warpgroup's two m64 MMAs a step, the
+#   tl.dot tile's shape; 2.5 SASS instructions a weight against tl.dot's 3.0) and 6 stages (4 K steps of
+#   64 in flight; 121-143 registers). H100, whole op (``benchmarks/results/sweep_gluon16.md``, one
+#   process): DSv4 (N = 576) at 16/32/64 tokens 205.6/305.3/466.1 -> 177.9/292.5/446.5 us, Qwen3
+#   (N = 768) 104.2/126.6/139.8 -> 100.9/124.6/131.2. Their few 64-column tiles give few programs, whose
+#   waits the six stages cover. gpt-oss (N = 2880, 45 tiles: three programs an SM at 145 registers
+#   were 9 % slower) keeps tl.dot, as GEMM2 does everywhere (the Gluon forms within +-3 % there).
+#   With 16 weight rows a warp (8 warps) the Gluon forms lost at 16-row blocks before
+#   (``benchmarks/results/gluon_16rows.md``).
+GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=16)  # (128-row blocks; warps: the launch's, 16 rows a warp)
 GLUON_GEMM1_SMALL = dict(bn1=64, bk1=64, stages1=4, warps1=8)  # (32- and 64-row blocks)
+GLUON_GEMM1_16 = dict(bn1=64, bk1=64, stages1=6, warps1=4)  # (16-row blocks where N < GLUON_16_MAX_N)
 GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)  # (128-row blocks)
 GLUON_GEMM2_SMALL = dict(bn2=128, bk2=64, stages2=4, warps2=8)  # (32- and 64-row blocks)
+GLUON_GEMM2_16 = dict(bn2=128, bk2=64, stages2=6, warps2=4)  # (a tuner candidate at 16-row blocks)
 GLUON_MIN_BM = 32
+GLUON_16_MAX_N = 2048
 # What the tuner times on such a GPU (``candidate_configs(..., gluon=True)``) at blocks of at least
 # GLUON_TUNE_MIN_BM rows (the block sizes the GPU test covers): both Gluon forms of each GEMM at the
-# plan's own block size, beside the tl.dot tiles.
+# plan's own block size, at 16-row blocks also the 4-warp forms (GLUON_GEMM1_16, GLUON_GEMM2_16), beside
+# the tl.dot tiles.
 GLUON_TUNE_MIN_BM = 16
 
 
@@ -222,8 +236,11 @@ def gluon_maxnreg(bm: int, warps: int) -> int | None:
     return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 else None
 
 
-def gluon_forms(bm: int) -> tuple[dict | None, dict | None]:
-    """The Gluon GEMM1 and GEMM2 forms an untuned plan of ``bm``-row blocks takes (None: tl.dot)."""
+def gluon_forms(bm: int, geometry=None) -> tuple[dict | None, dict | None]:
+    """The Gluon GEMM1 and GEMM2 forms an untuned plan of ``bm``-row blocks of ``geometry`` takes (None:
+    tl.dot). Without a geometry, a 16-row block's GEMM1 is tl.dot too."""
+    if bm == 16 and geometry is not None and geometry.intermediate_size < GLUON_16_MAX_N:
+        return GLUON_GEMM1_16, None
     if bm < GLUON_MIN_BM:
         return None, None
     if bm < 128:
@@ -247,7 +264,8 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
     return True, (f"on: the GEMMs of blocked calls with expert blocks of {GLUON_MIN_BM} rows or more run in Gluon, "
-                  "their MMAs under the next step's decode (B12X_OPS_TRITON_GLUON=0 turns it off)")
+                  f"and GEMM1 of 16-row blocks where N < {GLUON_16_MAX_N}, their MMAs under the next step's decode "
+                  "(B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
 # The GEMMs (tl.dot and Gluon) of blocks of at least HALF_MIN_BM rows run a block of at most half
@@ -645,8 +663,9 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
         for bm, g1, g2 in cands:
             if bm >= GLUON_TUNE_MIN_BM:
                 c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
-                out += [dataclasses.replace(c, gluon=True, **f) for f in (GLUON_GEMM1_SMALL, GLUON_GEMM1)]
-                out += [dataclasses.replace(c, gluon2=True, **f) for f in (GLUON_GEMM2_SMALL, GLUON_GEMM2)]
+                narrow1, narrow2 = ((GLUON_GEMM1_16,), (GLUON_GEMM2_16,)) if bm == 16 else ((), ())
+                out += [dataclasses.replace(c, gluon=True, **f) for f in (GLUON_GEMM1_SMALL, GLUON_GEMM1) + narrow1]
+                out += [dataclasses.replace(c, gluon2=True, **f) for f in (GLUON_GEMM2_SMALL, GLUON_GEMM2) + narrow2]
     return out
 
 
@@ -872,11 +891,11 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2_mma" if cfg.mma else "gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
-            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.stages1, acc_zero_mode(cfg))
+            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1, acc_zero_mode(cfg))
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
-            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.stages2, cfg.atomic)
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
         elif kind == "gemm2":
             key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
         else:
@@ -934,10 +953,10 @@ class GeometryPlans:
                       HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
                       BK=cfg.bk1, FOLD=self.fold, HALF=half)
             if cfg.gluon:
-                self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1")
+                self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1", 2 * cfg.bn1, cfg.warps1)
                 ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, ZERO_ACC=acc_zero_mode(cfg),
-                                                    **GK.layouts(2 * cfg.bn1, cfg.bm)),
-                        cfg.bn1 // 8, 1, gluon_maxnreg(cfg.bm, cfg.bn1 // 8))
+                                                    **GK.layouts(2 * cfg.bn1, cfg.bm, cfg.warps1)),
+                        cfg.warps1, 1, gluon_maxnreg(cfg.bm, cfg.warps1))
             else:
                 ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
@@ -945,9 +964,9 @@ class GeometryPlans:
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
             if cfg.gluon2:
-                self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2")
-                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm)),
-                        cfg.bn2 // 16, 1, gluon_maxnreg(cfg.bm, cfg.bn2 // 16))
+                self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2", cfg.bn2, cfg.warps2)
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm, cfg.warps2)),
+                        cfg.warps2, 1, gluon_maxnreg(cfg.bm, cfg.warps2))
             else:
                 ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps2, _stages(cfg.bk2, cfg.stages2))
@@ -957,14 +976,17 @@ class GeometryPlans:
         self.launches[key] = ln
         return ln
 
-    def _check_gluon(self, cfg: Config, stage: str, bn_name: str, widths: tuple, st_name: str) -> None:
+    def _check_gluon(self, cfg: Config, stage: str, bn_name: str, widths: tuple, st_name: str, rows: int,
+                     warps: int) -> None:
         """A Gluon GEMM's requirements (``gluon_kernels``; its tile width and stages are ``cfg``'s fields
-        ``bn_name`` and ``st_name``), before anything compiles."""
+        ``bn_name`` and ``st_name``, its ``rows`` weight rows in ``warps`` warps), before anything compiles."""
         bn, stages = getattr(cfg, bn_name), getattr(cfg, st_name)
-        if not self.ptx or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2:
+        if (not self.ptx or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2
+                or warps not in (rows // 16, rows // 32)):
             raise ValueError(f"b12x_ops triton backend: no Gluon {stage} for {cfg} (it needs the inline-PTX "
-                             f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]} and an even "
-                             f"{st_name} >= 4)")
+                             f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]}, an even "
+                             f"{st_name} >= 4, and {rows // 16} or {rows // 32} warps: 16 or 32 of its {rows} rows a "
+                             "warp)")
 
     def _check_mma(self, cfg: Config) -> None:
         """The mma.sync GEMV's requirements (``gluon_gemv``), before anything compiles."""
@@ -1031,7 +1053,7 @@ class GeometryPlans:
             return cfg if form is None else mma_config(cfg, self.geometry, *form)
         if not self.gluon or cfg.gluon or cfg.gluon2:
             return cfg
-        f1, f2 = gluon_forms(cfg.bm)
+        f1, f2 = gluon_forms(cfg.bm, self.geometry)
         if f1 is not None:
             cfg = dataclasses.replace(cfg, gluon=True, **f1)
         if f2 is not None:
