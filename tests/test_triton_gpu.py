@@ -524,10 +524,11 @@ def test_gpu_gluon_gemm1_zeroes_the_accumulator(name, monkeypatch):
     for i, M in enumerate((37, 700)):
         x, ids, w = make_batch(layer, M, seed=120 + i, device="cuda", padding_rows=3)
         want = b12x_ops.moe_w4a8(x, ids, w, ref)
-        bms = (32, 64, 128) + ((16,) if P.gluon_forms(16, gp.geometry)[0] else ())  # (16: GEMM1 of a short N)
+        bms = (32, 64, 128) + ((16,) if P.gluon_forms(16, gp.geometry, M)[0] else ())  # (16: GEMM1 of a short N)
         for bm, where in [(bm, where) for bm in bms for where in ("gemm1", "gemm1_last")]:
             monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", where)
-            cfg = gp.with_gluon(dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=bm, atomic=True))
+            cfg = gp.with_gluon(dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=bm, atomic=True),
+                                M)
             assert cfg.gluon and P.acc_zero_in_gemm1(cfg), (name, M, bm)
             gp.reserve(M, cfg)
             acc = gp.arena.buffers["acc"]

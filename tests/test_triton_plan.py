@@ -156,14 +156,20 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
     seen = set()
     for tokens in (1, 4, 16, 64, 512, 2048, 8192):
         cfg = P.default_config(tokens, g)
-        got = gp.with_gluon(cfg)
+        got = gp.with_gluon(cfg, tokens)
         assert got.bm == cfg.bm and got.atomic == cfg.atomic and got.gemv == cfg.gemv
-        if not cfg.gemv and cfg.bm == 16 and g.intermediate_size < P.GLUON_16_MAX_N:
+        if not cfg.gemv and cfg.bm == 16:
+            assert gp.with_gluon(cfg) == cfg  # (no token count: 16-row blocks stay tl.dot)
+        if (not cfg.gemv and cfg.bm == 16 and g.intermediate_size < P.GLUON_16_MAX_N
+                and tokens * g.top_k >= P.GLUON_16_MIN_SLOTS):
             # (16-row blocks of a short N: GEMM1 in 4 warps of 32 weight rows, GEMM2 tl.dot)
             assert got == dataclasses.replace(cfg, gluon=True, **P.GLUON_GEMM1_16) and got.warps1 == 2 * got.bn1 // 32
             assert gp.stages(got, tokens)[1].num_warps == 4
             continue
-        if cfg.gemv or cfg.bm < P.GLUON_MIN_BM:
+        if cfg.gemv:  # (the GEMV path on mma.sync: the test below)
+            assert gp.with_gluon(cfg) == cfg
+            continue
+        if cfg.bm < P.GLUON_MIN_BM:
             assert got == cfg
             continue
         seen.add(cfg.bm)
@@ -182,9 +188,11 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
     for bm in (16, 32, 64, 128):  # (every block size: what gluon_forms picks, or tl.dot below GLUON_MIN_BM)
         f1, f2 = P.gluon_forms(bm)
         assert (f1 is None) == (f2 is None) == (bm < P.GLUON_MIN_BM)
-        f1, f2 = P.gluon_forms(bm, g)
-        assert (f1 is None) == (bm < P.GLUON_MIN_BM and (bm != 16 or g.intermediate_size >= P.GLUON_16_MAX_N))
-        assert (f2 is None) == (bm < P.GLUON_MIN_BM)
+        for tokens in (8, 16, 64):
+            f1, f2 = P.gluon_forms(bm, g, tokens)
+            short = bm == 16 and g.intermediate_size < P.GLUON_16_MAX_N and tokens * g.top_k >= P.GLUON_16_MIN_SLOTS
+            assert (f1 is None) == (bm < P.GLUON_MIN_BM and not short)
+            assert (f2 is None) == (bm < P.GLUON_MIN_BM)
     gp.gluon = False
     assert gp.with_gluon(P.default_config(8192, g)) == P.default_config(8192, g)
 

@@ -202,7 +202,10 @@ def pdl_status(device) -> tuple[bool, str]:
 #   waits the six stages cover. gpt-oss (N = 2880, 45 tiles: three programs an SM at 145 registers
 #   were 9 % slower) keeps tl.dot, as GEMM2 does everywhere (the Gluon forms within +-3 % there).
 #   With 16 weight rows a warp (8 warps) the Gluon forms lost at 16-row blocks before
-#   (``benchmarks/results/gluon_16rows.md``).
+#   (``benchmarks/results/gluon_16rows.md``). H100, whole op against tl.dot in one call (NOTES): DSv4 at
+#   16/32/64/128/512 tokens 12.2/3.3/4.5/2.8/4.2 % faster, Qwen3 at 16-128 1.6-6.7 %, but at 8 tokens
+#   (48 and 64 slots: about 400-800 programs, which at 3 programs an SM no longer fit in one wave) 7.8
+#   and 3.7 % slower: so from GLUON_16_MIN_SLOTS routed slots (tokens x top_k) on.
 GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=16)  # (128-row blocks; warps: the launch's, 16 rows a warp)
 GLUON_GEMM1_SMALL = dict(bn1=64, bk1=64, stages1=4, warps1=8)  # (32- and 64-row blocks)
 GLUON_GEMM1_16 = dict(bn1=64, bk1=64, stages1=6, warps1=4)  # (16-row blocks where N < GLUON_16_MAX_N)
@@ -211,6 +214,7 @@ GLUON_GEMM2_SMALL = dict(bn2=128, bk2=64, stages2=4, warps2=8)  # (32- and 64-ro
 GLUON_GEMM2_16 = dict(bn2=128, bk2=64, stages2=6, warps2=4)  # (a tuner candidate at 16-row blocks)
 GLUON_MIN_BM = 32
 GLUON_16_MAX_N = 2048
+GLUON_16_MIN_SLOTS = 96
 # What the tuner times on such a GPU (``candidate_configs(..., gluon=True)``) at blocks of at least
 # GLUON_TUNE_MIN_BM rows (the block sizes the GPU test covers): both Gluon forms of each GEMM at the
 # plan's own block size, at 16-row blocks also the 4-warp forms (GLUON_GEMM1_16, GLUON_GEMM2_16), beside
@@ -236,10 +240,11 @@ def gluon_maxnreg(bm: int, warps: int) -> int | None:
     return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 else None
 
 
-def gluon_forms(bm: int, geometry=None) -> tuple[dict | None, dict | None]:
-    """The Gluon GEMM1 and GEMM2 forms an untuned plan of ``bm``-row blocks of ``geometry`` takes (None:
-    tl.dot). Without a geometry, a 16-row block's GEMM1 is tl.dot too."""
-    if bm == 16 and geometry is not None and geometry.intermediate_size < GLUON_16_MAX_N:
+def gluon_forms(bm: int, geometry=None, tokens: int | None = None) -> tuple[dict | None, dict | None]:
+    """The Gluon GEMM1 and GEMM2 forms an untuned plan of ``bm``-row blocks of ``geometry`` for ``tokens``
+    tokens takes (None: tl.dot). Without a geometry and token count, a 16-row block's GEMM1 is tl.dot."""
+    if (bm == 16 and geometry is not None and tokens is not None and geometry.intermediate_size < GLUON_16_MAX_N
+            and tokens * geometry.top_k >= GLUON_16_MIN_SLOTS):
         return GLUON_GEMM1_16, None
     if bm < GLUON_MIN_BM:
         return None, None
@@ -1053,7 +1058,7 @@ class GeometryPlans:
             return cfg if form is None else mma_config(cfg, self.geometry, *form)
         if not self.gluon or cfg.gluon or cfg.gluon2:
             return cfg
-        f1, f2 = gluon_forms(cfg.bm, self.geometry)
+        f1, f2 = gluon_forms(cfg.bm, self.geometry, tokens)
         if f1 is not None:
             cfg = dataclasses.replace(cfg, gluon=True, **f1)
         if f2 is not None:
