@@ -422,3 +422,28 @@ def test_16_row_blocks_take_the_wide_tiles():
             assert all(c.tiles1()[:4] != P.GEMM1_WIDE_16 for c in cands if c.bm != 16)  # (16-row blocks only)
     assert P._rows(64, gpt) == P.GEMM1_WIDE_MIN_ROWS and P._rows(32, gpt) < P.GEMM1_WIDE_MIN_ROWS
     assert dsv4.intermediate_size < qwen.intermediate_size < P.GEMM1_WIDE_MIN_N <= gpt.intermediate_size
+
+
+def test_gluon_configs_name_their_warps_when_a_launch_cannot_take_them():
+    """A Gluon GEMM's warps are its config's (16 or 32 weight rows a warp): any other count is refused
+    before anything compiles, by an error that names the field and the counts it may be, and the
+    layouts refuse warps that are not whole warpgroups of whole 16-row groups."""
+    from b12x_ops.backends.triton import gluon_kernels as GK
+
+    if not GK.HAS_GLUON:
+        pytest.skip("this triton has no Gluon")
+    g = geometry(*GEOS["qwen3-30b-a3b"])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
+    gp.ptx = True
+    base = P.default_config(64, g)
+    for bad in (16, 2, 6):  # (128 weight rows: 8 or 4 warps)
+        with pytest.raises(ValueError, match=r"no Gluon GEMM1 .* 8 or 4 warps"):
+            gp.stages(dataclasses.replace(base, gluon=True, **dict(P.GLUON_GEMM1_16, warps1=bad)), 64)
+    with pytest.raises(ValueError, match=r"no Gluon GEMM2 .* 16 or 8 warps"):
+        gp.stages(dataclasses.replace(base, gluon2=True, **dict(P.GLUON_GEMM2_16, bn2=256, warps2=4)), 64)
+    for ok in (4, 8):
+        cfg = dataclasses.replace(base, gluon=True, **dict(P.GLUON_GEMM1_16, warps1=ok))
+        assert gp.stages(cfg, 64)[1].num_warps == ok
+    with pytest.raises(ValueError, match="6 warps for 128 rows"):
+        GK.layouts(128, 16, 6)
+    assert GK.layouts(128, 16)["mma"] == GK.layouts(128, 16, 8)["mma"]

@@ -24,7 +24,8 @@ express:
   (with one allocation for the ring and a computed index it added two a step). The ring is drained
   (a wait and a barrier) before the epilogue reuses its shared memory;
 * **warpgroups of one tile.** A program's ``R / 16`` warps each take a 16-row group of the
-  operand's ``R`` rows (a warpgroup 64 rows). In GEMM1 the first half of the warpgroups holds the
+  operand's ``R`` rows (a warpgroup 64 rows), or its ``R / 32`` warps two groups each (a warpgroup two
+  64-row MMAs a step: the plans' GEMM1 of 16-row blocks, ``plan.GLUON_GEMM1_16``). In GEMM1 the first half of the warpgroups holds the
   up rows and the rest the gate rows; both read the same activations, and the epilogue meets up
   and gate in shared memory;
 * **scale bytes two at a time.** A lane needs the scale bytes of its rows r0 and r0 + 8 for a chunk's
@@ -386,8 +387,8 @@ if HAS_GLUON:
         a_l_h: gl.constexpr, HALF: gl.constexpr, ZERO_ACC: gl.constexpr,
     ):
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
-        warps (BN = 64 or 128: the first half of the warpgroups the up rows, the rest the gate rows),
-        an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM)``.
+        or BN / 16 warps (BN = 64 or 128: the first half of the 16-row groups the up rows, the rest the gate rows),
+        an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM, warps)``.
         ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s).
         ``ZERO_ACC`` 1 or 2: every program zeroes its ``zrows`` rows of GEMM2's fp32 accumulator
         ``acc`` (``[M, K]``) first (1) or last (2), in the prologue's place: fire-and-forget stores
@@ -496,8 +497,9 @@ if HAS_GLUON:
         mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
         x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
     ):
-        """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 warps (BN = 128
-        or 256: a warpgroup 64 of the W2 rows), an even STAGES >= 4; its layouts from ``layouts(BN, BM)``.
+        """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 or BN / 32 warps
+        (BN = 128 or 256: a warp 16 or 32 of the W2 rows), an even STAGES >= 4; its layouts from
+        ``layouts(BN, BM, warps)``.
         ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
         if e < 0:

@@ -208,7 +208,7 @@ def pdl_status(device) -> tuple[bool, str]:
 #   and 3.7 % slower: so from GLUON_16_MIN_SLOTS routed slots (tokens x top_k) on.
 GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=16)  # (128-row blocks; warps: the launch's, 16 rows a warp)
 GLUON_GEMM1_SMALL = dict(bn1=64, bk1=64, stages1=4, warps1=8)  # (32- and 64-row blocks)
-GLUON_GEMM1_16 = dict(bn1=64, bk1=64, stages1=6, warps1=4)  # (16-row blocks where N < GLUON_16_MAX_N)
+GLUON_GEMM1_16 = dict(bn1=64, bk1=64, stages1=6, warps1=4)  # (16-row blocks: N and slots below)
 GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=4, warps2=16)  # (128-row blocks)
 GLUON_GEMM2_SMALL = dict(bn2=128, bk2=64, stages2=4, warps2=8)  # (32- and 64-row blocks)
 GLUON_GEMM2_16 = dict(bn2=128, bk2=64, stages2=6, warps2=4)  # (a tuner candidate at 16-row blocks)
@@ -269,7 +269,8 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
     return True, (f"on: the GEMMs of blocked calls with expert blocks of {GLUON_MIN_BM} rows or more run in Gluon, "
-                  f"and GEMM1 of 16-row blocks where N < {GLUON_16_MAX_N}, their MMAs under the next step's decode "
+                  f"and GEMM1 of 16-row blocks where N < {GLUON_16_MAX_N} and a call routes {GLUON_16_MIN_SLOTS} slots "
+                  "or more, their MMAs under the next step's decode "
                   "(B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
