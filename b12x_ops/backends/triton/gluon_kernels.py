@@ -25,9 +25,9 @@ express:
   (a wait and a barrier) before the epilogue reuses its shared memory;
 * **warpgroups of one tile.** A program's ``R / 16`` warps each take a 16-row group of the
   operand's ``R`` rows (a warpgroup 64 rows), or its ``R / 32`` warps two groups each (a warpgroup two
-  64-row MMAs a step: the plans' GEMM1 of 16-row blocks, ``plan.GLUON_GEMM1_16``). In GEMM1 the first half of the warpgroups holds the
-  up rows and the rest the gate rows; both read the same activations, and the epilogue meets up
-  and gate in shared memory;
+  64-row MMAs a step: the plans' GEMM1 of 16-row blocks, ``plan.GLUON_GEMM1_16``). In GEMM1 the first
+  half of the row groups holds the up rows and the rest the gate rows; both read the same
+  activations, and the epilogue meets up and gate in shared memory;
 * **scale bytes two at a time.** A lane needs the scale bytes of its rows r0 and r0 + 8 for a chunk's
   two 32-element blocks, adjacent in each row: where a row has an even count of blocks they are one
   aligned 16-bit load a row (``_load_scales``), and one register of both rows' loads gives each
