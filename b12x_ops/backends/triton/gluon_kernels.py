@@ -363,9 +363,10 @@ if HAS_GLUON:
         return ptr + row[:, None] * RED + (32 * (offs_hx // 16) + offs_hx % 16)[None, :]
 
     @gluon.jit
-    def _zero_rows(acc_ptr, zrows, M, K: gl.constexpr, NW: gl.constexpr):
+    def _zero_rows(acc_ptr, zrows, M, K: gl.constexpr):
         """Zero rows ``[pid * zrows, (pid + 1) * zrows)`` of the ``[M, K]`` fp32 ``acc``, 16 bytes a
-        store: the share of a GEMM1 program (``ZERO_ACC``)."""
+        store by each of the program's threads: the share of a GEMM1 program (``ZERO_ACC``)."""
+        NW: gl.constexpr = gl.num_warps()
         CH: gl.constexpr = 4 * 32 * NW
         z_l: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
         offs = gl.arange(0, CH, layout=z_l)
@@ -394,11 +395,11 @@ if HAS_GLUON:
         ``acc`` (``[M, K]``) first (1) or last (2), in the prologue's place: fire-and-forget stores
         beside a compute-bound kernel instead of the prologue's largest write."""
         if ZERO_ACC == 1:
-            _zero_rows(acc_ptr, zrows, M, K, gl.num_warps())
+            _zero_rows(acc_ptr, zrows, M, K)
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
         if e < 0:
             if ZERO_ACC == 2:
-                _zero_rows(acc_ptr, zrows, M, K, gl.num_warps())
+                _zero_rows(acc_ptr, zrows, M, K)
             return
         nrow = gl.load(blk_rows_ptr + pid_m)
         if HALF:
@@ -414,7 +415,7 @@ if HAS_GLUON:
             _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
                          UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM, BN, BK, STAGES, FOLD, mma, a_l, code_l, p7, s5_l, x_l)
         if ZERO_ACC == 2:
-            _zero_rows(acc_ptr, zrows, M, K, gl.num_warps())
+            _zero_rows(acc_ptr, zrows, M, K)
 
     @gluon.jit
     def _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K: gl.constexpr,
