@@ -363,8 +363,10 @@ def test_mma_gemv_compiles_with_its_weights_loaded_before_the_wait(offline, name
     the decode's asm writes the ``m16n8k16`` A fragments in place (its ``assert_trivial`` conversions
     would fail the compile otherwise), two ``mma.sync`` a 64-element chunk and no shared-memory
     operand. As programmatic dependent launches, every code load (16 bytes a lane) comes before the
-    wait for the previous kernel and every store after it. Registers stay within four programs an
-    SM, with no local memory. "odd" has K and N of 2.5 chunks (96, 160: half chunks masked)."""
+    wait for the previous kernel and every store after it; with a window of W chunks (``Config.window``)
+    the first W chunks' code loads come before it and each later chunk's come one by one after. Registers
+    stay within four programs an SM, with no local memory. "odd" has K and N of 2.5 chunks (96, 160: half
+    chunks masked)."""
     import re
 
     from b12x_ops.backends.triton import plan as P
@@ -374,8 +376,10 @@ def test_mma_gemv_compiles_with_its_weights_loaded_before_the_wait(offline, name
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
     gp.ptx = gp.fold = True
     gp.mma_pdl = True
-    for M, (q1, q2) in ((1, (2, 4)), (2, (4, 4)), (1, (4, 2))):
-        cfg = P.mma_config(P.default_config(M, g, gemv=True), g, q1, q2)
+    forms = [(1, (2, 4), 0), (2, (4, 4), 0), (1, (4, 2), 0), (1, (6, 5), 2)]
+    forms += [(M, P.gemv_mma_form(M, g), P.GEMV_MMA_WINDOW) for M in (1, 2) if P.gemv_mma_form(M, g)]
+    for M, (q1, q2), window in forms:
+        cfg = P.mma_config(P.default_config(M, g, gemv=True), g, q1, q2, window)
         for which, kernel in ((1, "gemv1_mma_kernel"), (2, "gemv2_mma_kernel")):
             ln = gp.stages(cfg, M)[which]
             ck = offline.compile_launch(ln, 90)
@@ -387,7 +391,11 @@ def test_mma_gemv_compiles_with_its_weights_loaded_before_the_wait(offline, name
             assert mmas == 2 * q * 2 * (rows // 16 // ln.num_warps), (what, mmas)  # (a warp's: even, odd; 2 k16)
             assert "wgmma" not in ptx and "ld.shared" not in ptx.split("griddepcontrol.wait")[0], what
             before, after = ptx.split("griddepcontrol.wait")
-            assert "ld.global.v4" in before or "ld.global.nc.v4" in before, what
+            v4 = r"ld\.global(?:\.nc)?\.v4\.b32"
+            per_chunk = rows // 16 // ln.num_warps  # (a lane's 16 code bytes of each of its row groups)
+            first = min(window, q) if window else q
+            assert len(re.findall(v4, before)) == first * per_chunk, (what, window)
+            assert len(re.findall(v4, after)) == (q - first) * per_chunk, (what, window)
             assert not re.search(r"\bst\.global|\batom\.|\bred\.", before), what
             assert "griddepcontrol.launch_dependents" in after, what
             res = offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", "")

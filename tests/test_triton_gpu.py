@@ -339,7 +339,8 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     limit and the global scales: against the reference and the tl.dot GEMV with x quantized first
     (the same products; the fp32 sums split at other points), bit-identical over 20 runs, the counts
     back at zero after each call, and under CUDA-graph replay with new inputs; an untuned plan of one
-    token runs it."""
+    token runs it. Programs that keep fewer chunks' loads in flight than they multiply (``Config.window``)
+    write the bits of the same programs with every load first."""
     import dataclasses
 
     from b12x_ops.backends.triton import _launch_all
@@ -353,12 +354,15 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     st = h._state
     g = st.plans.geometry
     assert st.plans.configs[1].mma and st.plans.mma_pdl
-    for q1, q2 in ((2, 4), (4, 6), (1, 1)):
+    forms = [(2, 4, 0), (4, 6, 0), (1, 1, 0), (4, 6, 3), (3, 4, 1)]
+    forms += [P.gemv_mma_form(1, g) + (P.GEMV_MMA_WINDOW,)]  # (the untuned plan's)
+    for q1, q2, window in forms:
         for i, M in enumerate((1, 2, 4)):
             base = P.default_config(M, g, gemv=True)
-            cfg = P.mma_config(base, g, q1, q2)
+            one = P.mma_config(base, g, q1, q2, 0)  # (every load first)
+            cfg = dataclasses.replace(one, window=window)
             tl_cfg = dataclasses.replace(base, xq=True)
-            for c in (cfg, tl_cfg):
+            for c in (cfg, tl_cfg, one):
                 st.plans.reserve(M, c)
             x, ids, w = make_batch(layer, M, seed=60 + i, device="cuda", padding_rows=min(1, M // 2))
             want = b12x_ops.moe_w4a8(x, ids, w, ref)
@@ -366,9 +370,13 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
             _launch_all(st, tl_cfg, x, ids, w, dot)
             out = torch.full_like(x, float("nan"))
             _launch_all(st, cfg, x, ids, w, out)
-            what = (name, q1, q2, M)
+            what = (name, q1, q2, window, M)
             assert rel_l2(out, want) <= 1e-2, (what, rel_l2(out, want))
             assert rel_l2(out, dot) <= 1e-3, (what, rel_l2(out, dot))
+            if window:
+                by_one = torch.empty_like(x)
+                _launch_all(st, one, x, ids, w, by_one)
+                assert torch.equal(out, by_one), what
             first = out.clone()
             for _ in range(20):
                 _launch_all(st, cfg, x, ids, w, out)

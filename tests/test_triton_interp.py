@@ -777,7 +777,7 @@ def test_interp_options_are_checked():
     ("half_tiles", ["tiny", "40"]), ("reduction", ["tiny", "40"]), ("gluon_regimes", ["tiny", "200"]),
     ("gluon_gemms", ["tiny", "40"]), ("large_m", None), ("gemm2_tiles", ["tiny", "40", "128,128,4,3", "64,128,4,3"]),
     ("prologue_shapes", ["tiny", "40", "8,64,4"]), ("gluon_ws", ["tiny", "40"]),
-    ("gemv_mma_forms", ["tiny", "1", "2/4,0/6/64/4/16/1", "2"]), ("gemm2_order", ["tiny", "40"]),
+    ("gemv_mma_forms", ["tiny", "1", "2/4,0/6/64/4/16/1,4/4@2", "2"]), ("gemm2_order", ["tiny", "40"]),
     ("gluon_persistent", ["tiny", "40"]), ("acc_zero", ["tiny", "40"]), ("fp8_probe", ["tiny", "40"]),
     ("fp8_gemm1", ["tiny", "40"])])
 def test_interp_experiments_run(script, argv, monkeypatch, capsys):

@@ -304,15 +304,16 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
             assert got == cfg
             continue
         q1, q2 = form
-        assert q1 == (2 if tokens == 1 and g.hidden_size <= 2048 else 4)
-        nq = -(-g.intermediate_size // 64)
-        if g.intermediate_size > 1024:
-            assert q2 == 4
-        elif tokens == 2 and g.hidden_size <= 2048:  # (a slot's whole row a run)
-            assert q2 == nq
-        else:  # (runs of equal length, at most 6 chunks)
-            assert nq % q2 == 0 and q2 <= 6 and not any(nq % q == 0 for q in range(q2 + 1, 7))
         bn2 = (128, 8) if g.hidden_size <= 2048 else (64, 4)  # (gemv2: 128-row programs where K is short)
+        # runs of equal length, the longest (up to 16 chunks for gemv1, 10 for gemv2) that leaves the
+        # launch GEMV_MMA_MIN_PROGRAMS programs, or one chunk where none does
+        a_run = (tokens * g.top_k * -(-g.intermediate_size // 64), tokens * g.top_k * -(-g.hidden_size // bn2[0]))
+        for q, nq, per, most in ((q1, nq1, a_run[0], 16), (q2, nq2, a_run[1], 10)):
+            assert nq % q == 0 and q <= most, (tokens, q, nq)
+            assert q == 1 or per * (nq // q) >= P.GEMV_MMA_MIN_PROGRAMS, (tokens, q, nq)
+            longer = [d for d in range(q + 1, min(most, nq) + 1) if nq % d == 0]
+            assert all(per * (nq // d) < P.GEMV_MMA_MIN_PROGRAMS for d in longer), (tokens, q, nq)
+        assert got.window == P.GEMV_MMA_WINDOW == 2  # (two chunks' loads in flight)
         assert got.gemv and got.xq and not got.fused and (got.bn1, got.warps1) == (64, 4)
         assert (got.bn2, got.warps2) == bn2
         assert got.split1 * (got.bk1 // 64) >= nq1 > (got.split1 - 1) * (got.bk1 // 64)
@@ -346,15 +347,19 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
         for bad in (dict(split1=got.split1 + 1), dict(xq=False), dict(bk2=96), dict(split2=got.split2 - 1)):
             with pytest.raises(ValueError, match="no mma.sync GEMV"):
                 gp.stages(dataclasses.replace(got, **bad), tokens)
-    # the tuner: with Gluon, the mma.sync forms (gemv1 of 2 or 4 chunks, gemv2 of 3, 4, 6, 8, a whole
-    # row and the defaults') beside the tl.dot GEMV tiles, a group of their own
+    # the tuner: with Gluon, the mma.sync forms (gemv1 of 4 chunks and the default's, gemv2 of 3, 4, 6,
+    # 8, a whole row and the defaults'; two chunks in flight) beside the tl.dot GEMV tiles, a group of
+    # their own
     plain = P.candidate_configs(1, g, None)
     cands = P.candidate_configs(1, g, None, gluon=True)
     mma = [c for c in cands if c.mma]
     q2s = P.mma_q2_candidates(g)
     assert {3, 4, 6, 8, nq2} <= set(q2s) and {P.gemv_mma_form(t, g)[1] for t in (1, 2) if P.gemv_mma_form(t, g)} <= set(q2s)
-    assert {(c.bk1 // 64, c.bk2 // 64) for c in mma} == {(q1, q2) for q1 in (2, 4) for q2 in q2s}
-    assert not any(c.mma for c in plain) and len(mma) == 2 * len(q2s) and all(c.gemv and c.xq for c in mma)
+    q1s = P.mma_q1_candidates(1, g)
+    assert q1s == sorted({4, P.gemv_mma_form(1, g)[0]} if P.gemv_mma_form(1, g) else {2, 4})
+    assert {(c.bk1 // 64, c.bk2 // 64) for c in mma} == {(q1, q2) for q1 in q1s for q2 in q2s}
+    assert not any(c.mma for c in plain) and len(mma) == len(q1s) * len(q2s) and all(c.gemv and c.xq for c in mma)
+    assert all(c.window == P.GEMV_MMA_WINDOW for c in mma)
     for c in mma:
         gp.stages(c, 1)  # (passes _check_mma)
 

@@ -3,8 +3,9 @@
 Per geometry and token count: the tl.dot GEMV's default plan, then each mma.sync form ``q1/q2``
 (gemv1's and gemv2's 64-element chunks a program; q1 = 0: the untuned plan's) or
 ``q1/q2/bn1/warps1/bn2/warps2`` (also the programs' columns and warps; ``mma_config``'s are
-64/4/64/4), us per layer from CUDA-graph replay over 4 layers, each form's output against the
-tl.dot plan's; the forms are timed ``ROUNDS`` times in turn (default 1), all times printed:
+64/4/64/4), either one with ``@w`` for w chunks' loads in flight in both kernels (``Config.window``;
+without it every load first), us per layer from CUDA-graph replay over 4 layers, each form's output
+against the tl.dot plan's; the forms are timed ``ROUNDS`` times in turn (default 1), all times printed:
 
     python benchmarks/experiments/gemv_mma_forms.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 1,2 2/4,4/4 [ROUNDS]
 
@@ -21,6 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
+def parse_form(text: str) -> tuple[tuple[int, ...], int]:
+    """``q1/q2[/bn1/warps1/bn2/warps2][@window]`` as ``(fields, window)``."""
+    fields, _, window = text.partition("@")
+    return tuple(int(v) for v in fields.split("/")), int(window or 0)
+
+
 def main():
     import dataclasses
 
@@ -32,7 +39,7 @@ def main():
 
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
-    forms = [tuple(map(int, f.split("/"))) for f in sys.argv[3].split(",")] if len(sys.argv) > 3 else [(2, 4)]
+    forms = [parse_form(f) for f in (sys.argv[3] if len(sys.argv) > 3 else "2/4").split(",")]
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     for name in names:
         geo = GEOMETRIES[name]
@@ -53,12 +60,14 @@ def main():
             times = {}
             for r in range(rounds):
                 for form in forms:
-                    label = "mma.sync " + "/".join(map(str, form))
+                    fields, window = form
+                    label = "mma.sync " + "/".join(map(str, fields)) + (f"@{window}" if window else "")
                     try:
-                        q1 = form[0] or P.gemv_mma_form(1, gp.geometry)[0]
-                        cfg = P.mma_config(base, gp.geometry, q1, form[1])
-                        if len(form) > 2:
-                            cfg = dataclasses.replace(cfg, bn1=form[2], warps1=form[3], bn2=form[4], warps2=form[5])
+                        q1 = fields[0] or P.gemv_mma_form(1, gp.geometry)[0]
+                        cfg = dataclasses.replace(P.mma_config(base, gp.geometry, q1, fields[1]), window=window)
+                        if len(fields) > 2:
+                            cfg = dataclasses.replace(cfg, bn1=fields[2], warps1=fields[3], bn2=fields[4],
+                                                      warps2=fields[5])
                         times.setdefault(form, []).append(whole(cfg))
                         if r == rounds - 1:
                             ts = " ".join(f"{t:.1f}" for t in times[form])

@@ -129,6 +129,19 @@ if HAS_GLUON_MMA:
         return xs
 
     @gluon.jit
+    def _window(codes, scales, xs, c_src, c_ok, s_src, s_ok, s_s, row, q0, q: gl.constexpr, RED: gl.constexpr,
+                Q: gl.constexpr, W: gl.constexpr, b_l: gl.constexpr):
+        """Before chunk ``q``'s MMAs, with ``W`` < ``Q`` chunks in flight: chunk ``q + W``'s codes, scale bytes
+        and row loads issued (appended to the tuples), so a program's loads stream through its reduction
+        instead of all coming first (``W`` = ``Q``: nothing to do)."""
+        if q + W < Q:
+            c, s = _load_codes(c_src, c_ok, s_src, s_ok, s_s, q0 + q + W, RED, 1)
+            codes = codes + c
+            scales = scales + s
+            xs = xs + _load_row(row, q0 + q + W, RED, 1, b_l)
+        return codes, scales, xs
+
+    @gluon.jit
     def _chunk_mma(codes, scales, xe, xo, acc, R: gl.constexpr, FOLD: gl.constexpr, a_l: gl.constexpr,
                    p7: gl.constexpr):
         """One 64-element chunk: its ``[G, 1, 32, 16]`` codes decoded with their scale bytes into the A
@@ -145,7 +158,7 @@ if HAS_GLUON_MMA:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, E: gl.constexpr, UP_FIRST: gl.constexpr,
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BN: gl.constexpr, Q: gl.constexpr, SPLIT: gl.constexpr,
         FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, code_l: gl.constexpr,
-        p7: gl.constexpr, s5_l: gl.constexpr, q_l: gl.constexpr, PDL: gl.constexpr = False,
+        p7: gl.constexpr, s5_l: gl.constexpr, q_l: gl.constexpr, L: gl.constexpr = 0, PDL: gl.constexpr = False,
     ):
         """Program (slot b, tile of BN columns, part of Q 64-element chunks of K; ``BN / 16`` row groups
         of up, then as many of gate, ``layouts(nw, True)``): ``kernels.gemv1_kernel``'s activations of the
@@ -170,11 +183,15 @@ if HAS_GLUON_MMA:
             c_src, c_ok, s_src, s_ok, s_s = _row_operands(
                 w_ptr + e * (2 * N * NQ * 32), s_ptr + e * (2 * N * KS), gl.where(g_c < GH, UP0, GATE0) + row0_c,
                 row0_c < N, gl.where(g_s < GH, UP0, GATE0) + row0_s, row0_s < N, R, K, code_l, s5_l)
-            codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, q0, K, Q)
+            W: gl.constexpr = L if L > 0 and L < Q else Q  # (chunks in flight: see _window)
+            codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, q0, K, W)
             _gdc(PDL)
-            xs = _load_row(xq_ptr + m.to(gl.int64) * K, q0, K, Q, b_l)
+            x_row = xq_ptr + m.to(gl.int64) * K
+            xs = _load_row(x_row, q0, K, W, b_l)
             acc = gl.zeros([R, 8], gl.float32, layout=mma)
             for q in gl.static_range(Q):
+                codes, scales, xs = _window(codes, scales, xs, c_src, c_ok, s_src, s_ok, s_s, x_row, q0, q, K, Q, W,
+                                            b_l)
                 acc = _chunk_mma(codes[q], scales[q], xs[q][0], xs[q][1], acc, R, FOLD, a_l, p7)
             v = gl.sum(acc, axis=1)  # (columns 1.. are zeros)
             NT: gl.constexpr = (N + BN - 1) // BN
@@ -213,7 +230,7 @@ if HAS_GLUON_MMA:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, E: gl.constexpr, HAS_GS: gl.constexpr,
         BN: gl.constexpr, Q: gl.constexpr, KP: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr,
         a_l: gl.constexpr, b_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
-        o_l: gl.constexpr, PDL: gl.constexpr = False,
+        o_l: gl.constexpr, L: gl.constexpr = 0, PDL: gl.constexpr = False,
     ):
         """Program (token m, tile of BN outputs, slot j and run ``part % KP`` of Q chunks of its activation
         row): ``wts * dq8(a) @ W2[e_j]^T`` over the run (zeros for a slot not ours), stored at its place
@@ -236,7 +253,9 @@ if HAS_GLUON_MMA:
         c_src, c_ok, s_src, s_ok, s_s = _row_operands(w_ptr + e * (K * NQ * 32), s_ptr + e * (K * NS), row0_c,
                                                       (row0_c < K) & ours, row0_s, (row0_s < K) & ours, BN, N, code_l,
                                                       s5_l)
-        codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, (part % KP) * Q, N, Q)
+        W: gl.constexpr = L if L > 0 and L < Q else Q  # (chunks in flight: see _window)
+        q0 = (part % KP) * Q
+        codes, scales = _load_codes(c_src, c_ok, s_src, s_ok, s_s, q0, N, W)
         # the router weight: ``kernels.load_weight_raw``'s arithmetic (its ``tl.zeros_like`` mask, which
         # the interpreter needs, has no layout in Gluon)
         w_lo = gl.load(wts_ptr + m64 * stride_wm + j * stride_wk)
@@ -246,10 +265,13 @@ if HAS_GLUON_MMA:
         _gdc(PDL)
         v = gl.zeros([BN], gl.float32, layout=gl.SliceLayout(1, mma))
         if ours:
-            xs = _load_row(a_ptr + (m64 * TOPK + j) * N, (part % KP) * Q, N, Q, b_l)
+            a_row = a_ptr + (m64 * TOPK + j) * N
+            xs = _load_row(a_row, q0, N, W, b_l)
             acc = gl.zeros([BN, 8], gl.float32, layout=mma)
+            cw, sw = codes, scales  # (grown here: an if may not change a tuple's length)
             for q in gl.static_range(Q):
-                acc = _chunk_mma(codes[q], scales[q], xs[q][0], xs[q][1], acc, BN, FOLD, a_l, p7)
+                cw, sw, xs = _window(cw, sw, xs, c_src, c_ok, s_src, s_ok, s_s, a_row, q0, q, N, Q, W, b_l)
+                acc = _chunk_mma(cw[q], sw[q], xs[q][0], xs[q][1], acc, BN, FOLD, a_l, p7)
             y = gl.sum(acc, axis=1)  # (columns 1.. are zeros)
             if HAS_GS:
                 y = y * gl.load(gs_ptr + e)

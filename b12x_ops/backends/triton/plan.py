@@ -104,6 +104,9 @@ class Config:
     # cdiv(cdiv(K, 64), bk1 / 64)) and of bk2 / 64 a slot's run (split2 = top_k * cdiv(cdiv(N, 64), bk2 / 64));
     # untuned plans set it by ``gemv_mma_form`` (``mma_config``)
     mma: bool = False
+    # the mma.sync GEMV only: 64-element chunks whose loads a program keeps in flight, the next one's
+    # issued as each is multiplied (0: all of its bk1 / 64 and bk2 / 64 chunks loaded first)
+    window: int = 0
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -468,7 +471,7 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
     four chunks, H200: one value in 4096 one bf16 unit apart at Qwen3's two tokens.)"""
     if not (GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused):
         return None
-    out = dataclasses.replace(cfg, fused=True, xq=False, mma=False)
+    out = dataclasses.replace(cfg, fused=True, xq=False, mma=False, window=0)
     if not cfg.mma:
         return out
     if geometry is None:
@@ -499,9 +502,18 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
 # 128/8: Qwen3 one token 15.6 -> 15.1 us, two 26.0 -> 25.7; DSv4, K = 5120, 22.2 -> 22.2 and 35.8 -> 36.6;
 # gpt-oss 32.0 -> 32.6; ``benchmarks/results/gemv_forms.md``).
 GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
-GEMV_MMA_Q1, GEMV_MMA_Q1_SMALL_K, GEMV_MMA_Q2, GEMV_MMA_Q2_SHORT_N = 4, 2, 4, 6
-GEMV_MMA_SMALL_K, GEMV_MMA_SHORT_N = 2048, 1024
+GEMV_MMA_SMALL_K = 2048
 GEMV_MMA_BN2, GEMV_MMA_BN2_SMALL_K = (64, 4), (128, 8)  # (gemv2's rows and warps a program)
+# A program keeps the loads of GEMV_MMA_WINDOW chunks in flight and issues the next chunk's as it
+# multiplies one (``Config.window``), so its runs can be long: the largest run of equal length, at most
+# GEMV_MMA_Q1_MAX chunks (gemv1) or GEMV_MMA_Q2_MAX (gemv2), that still gives the launch
+# GEMV_MMA_MIN_PROGRAMS programs (the shortest run where none does). H100, whole op, one token, against
+# the plans before (every load first; 4/4, 2/6 and 4/6 chunks): gpt-oss 33.1 -> 28.9 us (9/9 chunks), Qwen3
+# 15.9 -> 14.7 (8/4), DSv4 22.1 -> 19.0 (10/9); two tokens Qwen3 25.4 -> 23.3 (16/3), DSv4 34.1 -> 30.4
+# (16/3). A window of 1 or 3 chunks, or longer runs with fewer programs, was slower
+# (``benchmarks/results/gemv_window.md``).
+GEMV_MMA_WINDOW = 2
+GEMV_MMA_Q1_MAX, GEMV_MMA_Q2_MAX, GEMV_MMA_MIN_PROGRAMS = 16, 10, 384
 
 
 def mma_chunks(geometry) -> tuple[int, int]:
@@ -510,19 +522,32 @@ def mma_chunks(geometry) -> tuple[int, int]:
     return -(-geometry.hidden_size // 64), -(-geometry.intermediate_size // 64)
 
 
+def _mma_run(nq: int, programs_a_run: int, most: int) -> int:
+    """Chunks a run: the largest divisor of ``nq`` up to ``most`` whose ``nq / run`` runs give
+    ``programs_a_run`` programs each at least ``GEMV_MMA_MIN_PROGRAMS`` programs, else 1."""
+    fits = [q for q in range(1, min(most, nq) + 1)
+            if nq % q == 0 and programs_a_run * (nq // q) >= GEMV_MMA_MIN_PROGRAMS]
+    return max(fits, default=1)
+
+
 def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     """The mma.sync GEMV's chunks a program ``(gemv1, gemv2)`` for an untuned plan of ``tokens`` tokens,
     or None where the tl.dot GEMV is the default."""
     g = geometry
     if tokens > (1 if g.intermediate_size >= GEMV_XQ_WIDE_N else GEMV_MMA_TOKENS):
         return None
-    q1 = GEMV_MMA_Q1_SMALL_K if tokens == 1 and g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_Q1
-    if g.intermediate_size > GEMV_MMA_SHORT_N:
-        return q1, GEMV_MMA_Q2
-    nq2 = mma_chunks(g)[1]
-    if tokens > 1 and g.hidden_size <= GEMV_MMA_SMALL_K:
-        return q1, nq2  # (a slot's whole row a run)
-    return q1, max(q for q in range(1, GEMV_MMA_Q2_SHORT_N + 1) if nq2 % q == 0)  # (runs of equal length)
+    nq1, nq2 = mma_chunks(g)
+    bn2 = (GEMV_MMA_BN2_SMALL_K if g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_BN2)[0]
+    tiles1, tiles2 = -(-g.intermediate_size // 64), -(-g.hidden_size // bn2)
+    return (_mma_run(nq1, tokens * g.top_k * tiles1, GEMV_MMA_Q1_MAX),
+            _mma_run(nq2, tokens * g.top_k * tiles2, GEMV_MMA_Q2_MAX))
+
+
+def mma_q1_candidates(tokens: int, geometry) -> list[int]:
+    """gemv1's chunks a program that the tuner times on mma.sync: 4 and the untuned plan's count (2 and 4
+    where no untuned plan of ``tokens`` tokens runs on mma.sync)."""
+    form = gemv_mma_form(tokens, geometry)
+    return sorted({4, form[0]} if form else {2, 4})
 
 
 def mma_q2_candidates(geometry) -> list[int]:
@@ -532,15 +557,15 @@ def mma_q2_candidates(geometry) -> list[int]:
     return sorted({3, 4, 6, 8, mma_chunks(geometry)[1]} | {f[1] for f in forms if f})
 
 
-def mma_config(cfg: "Config", geometry, q1: int, q2: int) -> "Config":
-    """GEMV ``cfg`` on mma.sync (``Config.mma``) with ``q1``/``q2`` chunks a program; gemv2's programs
-    of 128 rows where K <= ``GEMV_MMA_SMALL_K``, else 64."""
+def mma_config(cfg: "Config", geometry, q1: int, q2: int, window: int = GEMV_MMA_WINDOW) -> "Config":
+    """GEMV ``cfg`` on mma.sync (``Config.mma``) with ``q1``/``q2`` chunks a program, ``window`` of them in
+    flight (0: every load first); gemv2's programs of 128 rows where K <= ``GEMV_MMA_SMALL_K``, else 64."""
     g = geometry
     nq1, nq2 = mma_chunks(g)
     bn2, warps2 = GEMV_MMA_BN2_SMALL_K if g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_BN2
     return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
                                split1=-(-nq1 // q1), bn2=bn2, bk2=64 * q2, warps2=warps2, stages2=1,
-                               split2=g.top_k * -(-nq2 // q2))
+                               split2=g.top_k * -(-nq2 // q2), window=window)
 
 
 def gemv_mma_status(device, ptx: bool = True) -> str:
@@ -652,7 +677,8 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
             for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
         if gluon:  # (sm_90: the GEMV on mma.sync, a few chunk counts, a slot's whole row among them)
-            out += [mma_config(d, geometry, q1, q2) for q1 in (2, 4) for q2 in mma_q2_candidates(geometry)]
+            out += [mma_config(d, geometry, q1, q2) for q1 in mma_q1_candidates(tokens, geometry)
+                    for q2 in mma_q2_candidates(geometry)]
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
@@ -893,9 +919,9 @@ class GeometryPlans:
         elif kind == "gemm1" and cfg.fused:
             key = ("gemv_fused",) + cfg.tiles1() + cfg.tiles2()
         elif kind == "gemm1" and cfg.gemv:
-            key = ("gemv1_mma" if cfg.mma else "gemv1",) + cfg.tiles1()
+            key = ("gemv1_mma", cfg.window) + cfg.tiles1() if cfg.mma else ("gemv1",) + cfg.tiles1()
         elif kind == "gemm2" and cfg.gemv:
-            key = ("gemv2_mma" if cfg.mma else "gemv2",) + cfg.tiles2()
+            key = ("gemv2_mma", cfg.window) + cfg.tiles2() if cfg.mma else ("gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
             key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1, acc_zero_mode(cfg))
         elif kind == "gemm1":
@@ -933,11 +959,11 @@ class GeometryPlans:
                 ln = Launch(GG.gemv1_mma_kernel, dict(gm, UP_FIRST=g.w13_layout == "w13",
                                                       HAS_LIMIT=g.swiglu_limit is not None, BN=cfg.bn1,
                                                       Q=cfg.bk1 // 64, SPLIT=cfg.split1,
-                                                      **GG.layouts(cfg.warps1, True)),
+                                                      L=cfg.window, **GG.layouts(cfg.warps1, True)),
                             cfg.warps1, 1, pdl=self.mma_pdl)
             else:
                 ln = Launch(GG.gemv2_mma_kernel, dict(gm, BN=cfg.bn2, Q=cfg.bk2 // 64, KP=cfg.split2 // g.top_k,
-                                                      **GG.layouts(cfg.warps2, False)),
+                                                      L=cfg.window, **GG.layouts(cfg.warps2, False)),
                             cfg.warps2, 1, pdl=self.mma_pdl)
         elif cfg.gemv:  # (gemv1, gemv2, or both as one launch)
             st1, st2 = _stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)
