@@ -5,8 +5,11 @@
 there and meets barriers. sm_80's ``mma.sync.m16n8k16``, which sm_90 runs too, takes both operands from
 registers. Here:
 
-* **a program's loads all come first**: the codes (16 contiguous bytes a lane of a 64-element chunk,
-  ``mxtl.load_repacked``'s layout) and scale bytes of its ``Q`` chunks, then the row's B fragments;
+* **a program's loads stream**: the codes (16 contiguous bytes a lane of a 64-element chunk,
+  ``mxtl.load_repacked``'s layout) and scale bytes of its first ``W`` chunks (``L``; all ``Q`` without
+  it), then the row's B fragments; as it multiplies chunk q it issues chunk q + W's (``_window``). Its
+  loads stay in flight through a long run of chunks, where loading every chunk first left them idle
+  through the multiply and the split-K handshake (``benchmarks/results/gemv_window.md``);
 * **the decode writes the A fragments in place**. The decode's asm (``mxtl``) leaves each lane's
   words where ``m16n8k16`` wants them: rows r0 and r0 + 8, two K pairs. ``convert_layout(...,
   assert_trivial=True)`` fails the compilation unless no data moves. Two MMAs a chunk, even
@@ -14,12 +17,12 @@ registers. Here:
 * **x (or the activations) is loaded straight into the B fragments**, column 0 only. The other 7
   columns are zeros, so a row's sum is its accumulator row's sum (adding zeros: exact), and no
   barrier runs before the epilogue;
-* **the weights' loads come before the wait for the previous kernel** (programmatic dependent launch,
-  sm_90). They read nothing a kernel of this op writes: the codes and scale bytes are constants, and
-  the caller wrote the ids and router weights before x's quantizing launch, which does not let gemv1
-  start before it has itself waited for the caller's kernels (gemv2 follows gemv1 the same way). x's
-  quantized row (gemv1) and the activations (gemv2) are read after the wait, and every write comes
-  after it. So a kernel's HBM reads overlap its predecessor's tail;
+* **the first ``W`` chunks' weight loads come before the wait for the previous kernel** (programmatic
+  dependent launch, sm_90). The weights read nothing a kernel of this op writes: the codes and scale
+  bytes are constants, and the caller wrote the ids and router weights before x's quantizing launch,
+  which does not let gemv1 start before it has itself waited for the caller's kernels (gemv2 follows
+  gemv1 the same way). x's quantized row (gemv1) and the activations (gemv2) are read after the wait,
+  and every write comes after it. So a kernel's HBM reads overlap its predecessor's tail;
 * **the parts are added in part order** by the last of a tile's programs to finish, as in the
   package's split-K handshake (``kernels._last_of_split``); gemv2 adds in (slot, run) order.
 
@@ -246,7 +249,7 @@ if HAS_GLUON_MMA:
         m64 = m.to(gl.int64)
         gid = gl.load(ids_ptr + m64 * stride_im + j * stride_ik).to(gl.int64)
         e, ours = local_expert(gid, expert_offset, E)
-        # the weights' loads first (nothing for a slot not ours), before the wait: see the module's docstring
+        # the first chunks' weight loads (nothing for a slot not ours), before the wait: see the module's docstring
         g_c, _, _, _, g_s, _, _, _, _ = _tile_index(BN, 64, code_l, s5_l)
         row0_c = pid_n * BN + 16 * g_c
         row0_s = pid_n * BN + 16 * g_s

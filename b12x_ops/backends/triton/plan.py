@@ -484,34 +484,27 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
     return dataclasses.replace(out, bk1=64, bk2=64, bn2=GEMV_MMA_BN2[0], warps2=GEMV_MMA_BN2[1])
 
 
-# The GEMV path on mma.sync (``gluon_gemv``: both operands in registers, a program's loads first, the
-# weights' loads before the wait for the previous kernel) on sm_90 where the Gluon GEMMs run
-# (``gluon_status``). H200, whole op, CUDA-graph replay over 4 layers (``benchmarks/results/gemv_mma.md``),
-# us, tl.dot GEMV -> mma.sync in the same call: at one token gpt-oss 35.4 -> 32.4 and 36.0 -> 32.2,
+# The GEMV path on mma.sync (``gluon_gemv``: both operands in registers, the weights' first loads before
+# the wait for the previous kernel) on sm_90 where the Gluon GEMMs run (``gluon_status``). H200, whole op,
+# CUDA-graph replay over 4 layers (``benchmarks/results/gemv_mma.md``), us, tl.dot GEMV -> mma.sync in the
+# same call, its programs then loading every chunk first: at one token gpt-oss 35.4 -> 32.4 and 36.0 -> 32.2,
 # Qwen3 18.0 -> 15.7, 17.9 -> 16.9 and 17.3 -> 17.0 (three calls), DSv4 22.8 -> 22.8 and 23.2 -> 22.5;
 # at two Qwen3 26.4 -> 24.5, DSv4 35.9 -> 35.2, but gpt-oss 53.7 -> 55.2 (its wide N: the tl.dot gemv2
-# is faster there); at four tokens slower but on Qwen3 (42.5 -> 41.0). Chunks a program: 4 (256 K
-# elements) for gemv1, 2 at one token where K <= 2048 (Qwen3: 17.4 against 17.8 us); 4 for gemv2,
-# 6 where N <= 1024: a slot's activation row in two runs, not three (same call, 4 -> 6 chunks: Qwen3 one
-# token 16.9 -> 15.5 us, two 25.5 -> 24.9; DSv4 22.4 -> 22.2 and 35.6 -> 35.8; gpt-oss, N = 2880,
-# 32.0 -> 32.5, so 4 there; ``benchmarks/NOTES.md``). Where N <= 1024 the runs are of equal length, at most
-# 6 chunks (DSv4's 9 chunks as 3 runs of 3: one token 22.2 -> 21.2 us, two 36.0 -> 33.2), and at two tokens
-# where K <= 2048 a slot's whole row is one run (Qwen3, 12 chunks: 24.9 -> 23.2; at one token 15.2 -> 16.9,
-# so 6 there). Programs of 64 rows and 4 warps, but gemv2's of 128
-# rows and 8 warps where K <= 2048: half as many programs over K's few output tiles (same call, 64/4 ->
-# 128/8: Qwen3 one token 15.6 -> 15.1 us, two 26.0 -> 25.7; DSv4, K = 5120, 22.2 -> 22.2 and 35.8 -> 36.6;
-# gpt-oss 32.0 -> 32.6; ``benchmarks/results/gemv_forms.md``).
+# is faster there); at four tokens slower but on Qwen3 (42.5 -> 41.0). Programs of 64 rows and 4 warps,
+# but gemv2's of 128 rows and 8 warps where K <= 2048: half as many programs over K's few output tiles
+# (same call, 64/4 -> 128/8: Qwen3 one token 15.6 -> 15.1 us, two 26.0 -> 25.7; DSv4, K = 5120, 22.2 ->
+# 22.2 and 35.8 -> 36.6; gpt-oss 32.0 -> 32.6; ``benchmarks/results/gemv_forms.md``).
 GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
 GEMV_MMA_SMALL_K = 2048
 GEMV_MMA_BN2, GEMV_MMA_BN2_SMALL_K = (64, 4), (128, 8)  # (gemv2's rows and warps a program)
 # A program keeps the loads of GEMV_MMA_WINDOW chunks in flight and issues the next chunk's as it
-# multiplies one (``Config.window``), so its runs can be long: the largest run of equal length, at most
-# GEMV_MMA_Q1_MAX chunks (gemv1) or GEMV_MMA_Q2_MAX (gemv2), that still gives the launch
-# GEMV_MMA_MIN_PROGRAMS programs (the shortest run where none does). H100, whole op, one token, against
-# the plans before (every load first; 4/4, 2/6 and 4/6 chunks): gpt-oss 33.1 -> 28.9 us (9/9 chunks), Qwen3
-# 15.9 -> 14.7 (8/4), DSv4 22.1 -> 19.0 (10/9); two tokens Qwen3 25.4 -> 23.3 (16/3), DSv4 34.1 -> 30.4
-# (16/3). A window of 1 or 3 chunks, or longer runs with fewer programs, was slower
-# (``benchmarks/results/gemv_window.md``).
+# multiplies one (``Config.window``), so its runs can be long: each kernel's runs are of equal length, the
+# longest of at most GEMV_MMA_Q1_MAX chunks (gemv1) or GEMV_MMA_Q2_MAX (gemv2) that still leaves the launch
+# GEMV_MMA_MIN_PROGRAMS programs (one chunk where none does). H100, whole op, against the plans before
+# (every load first, runs of 2-6 chunks: 4/4, 2/6, 4/3 at one token), in one call: one token gpt-oss
+# 33.4 -> 27.0 us (15/9 chunks), Qwen3 15.9 -> 14.9 (8/4), DSv4 21.9 -> 19.6 (10/9); two tokens Qwen3
+# 24.4 -> 22.5 (16/6), DSv4 34.2 -> 28.2 (16/9). A window of 1, 3 or 4 chunks, and runs that leave fewer
+# programs, were slower in the sweeps before (``benchmarks/results/gemv_window.md``).
 GEMV_MMA_WINDOW = 2
 GEMV_MMA_Q1_MAX, GEMV_MMA_Q2_MAX, GEMV_MMA_MIN_PROGRAMS = 16, 10, 384
 
@@ -523,8 +516,9 @@ def mma_chunks(geometry) -> tuple[int, int]:
 
 
 def _mma_run(nq: int, programs_a_run: int, most: int) -> int:
-    """Chunks a run: the largest divisor of ``nq`` up to ``most`` whose ``nq / run`` runs give
-    ``programs_a_run`` programs each at least ``GEMV_MMA_MIN_PROGRAMS`` programs, else 1."""
+    """A kernel's chunks a run (of its ``nq``): the largest divisor of ``nq`` up to ``most`` at which the
+    launch still has ``GEMV_MMA_MIN_PROGRAMS`` programs (``programs_a_run`` for each of its ``nq / run``
+    runs), else 1."""
     fits = [q for q in range(1, min(most, nq) + 1)
             if nq % q == 0 and programs_a_run * (nq // q) >= GEMV_MMA_MIN_PROGRAMS]
     return max(fits, default=1)
