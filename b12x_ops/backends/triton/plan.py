@@ -569,7 +569,8 @@ def gemv_mma_status(device, ptx: bool = True) -> str:
         return f"off: it runs where the Gluon GEMMs do, and they are {why}"
     pdl = "with" if gemv_mma_pdl(device) else "without"
     return (f"on: untuned plans of one token, or two where N < {GEMV_XQ_WIDE_N}, run gemv1 and gemv2 on mma.sync "
-            f"in Gluon, {pdl} programmatic dependent launch (B12X_OPS_TRITON_GLUON=0 turns it off with the Gluon GEMMs)")
+            f"in Gluon, {GEMV_MMA_WINDOW} chunks' loads in flight a program, {pdl} programmatic dependent launch "
+            "(B12X_OPS_TRITON_GLUON=0 turns it off with the Gluon GEMMs)")
 
 
 def gemv_mma_pdl(device) -> bool:
