@@ -277,6 +277,23 @@ def test_tuner_times_the_gluon_gemms_where_they_run(name, tokens):
         assert len(k2) == len({(c.tiles2(), False) for c in plain if c.bm == bm}) + (3 if bm == 16 else 2)
 
 
+def test_mma_gemv_runs_are_the_longest_that_keep_enough_programs():
+    """``plan._mma_run``: runs of equal length (a divisor of the chunks), the longest up to the cap that
+    leaves the launch ``GEMV_MMA_MIN_PROGRAMS`` programs; one chunk where no run does, and the whole
+    reduction where it is shorter than the cap and one run a tile already gives enough programs."""
+    least = P.GEMV_MMA_MIN_PROGRAMS
+    assert P._mma_run(45, 180, 16) == 15  # (gpt-oss gemv1 at one token: 3 runs x 180 = 540)
+    assert P._mma_run(45, 180, 10) == 9  # (its gemv2: 5 runs x 180 = 900)
+    assert P._mma_run(32, 96, 16) == 8  # (Qwen3 gemv1: 16 would give 192)
+    assert P._mma_run(7, 60, 16) == 1  # (a prime count: 7 chunks in one run would give 60 programs)
+    assert P._mma_run(7, least, 16) == 7 and P._mma_run(7, least - 1, 16) == 1
+    assert P._mma_run(12, least, 10) == 6  # (the cap: 12 is not taken, 6 is its largest divisor under 10)
+    for nq in range(1, 40):
+        for per in (1, 7, 64, 200, least):
+            q = P._mma_run(nq, per, 10)
+            assert nq % q == 0 and q <= 10 and (q == 1 or per * (nq // q) >= least), (nq, per, q)
+
+
 @pytest.mark.parametrize("name", list(GEOS))
 def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
     """Where the Gluon GEMMs run (sm_90), an untuned GEMV plan of one token, or of two where N is under
