@@ -515,6 +515,11 @@ def mma_chunks(geometry) -> tuple[int, int]:
     return -(-geometry.hidden_size // 64), -(-geometry.intermediate_size // 64)
 
 
+def _mma_gemv2_tile(geometry) -> tuple[int, int]:
+    """The mma.sync gemv2's rows and warps a program: 128 and 8 where K <= ``GEMV_MMA_SMALL_K``, else 64 and 4."""
+    return GEMV_MMA_BN2_SMALL_K if geometry.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_BN2
+
+
 def _mma_run(nq: int, programs_a_run: int, most: int) -> int:
     """A kernel's chunks a run (of its ``nq``): the largest divisor of ``nq`` up to ``most`` at which the
     launch still has ``GEMV_MMA_MIN_PROGRAMS`` programs (``programs_a_run`` for each of its ``nq / run``
@@ -531,8 +536,7 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     if tokens > (1 if g.intermediate_size >= GEMV_XQ_WIDE_N else GEMV_MMA_TOKENS):
         return None
     nq1, nq2 = mma_chunks(g)
-    bn2 = (GEMV_MMA_BN2_SMALL_K if g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_BN2)[0]
-    tiles1, tiles2 = -(-g.intermediate_size // 64), -(-g.hidden_size // bn2)
+    tiles1, tiles2 = -(-g.intermediate_size // 64), -(-g.hidden_size // _mma_gemv2_tile(g)[0])
     return (_mma_run(nq1, tokens * g.top_k * tiles1, GEMV_MMA_Q1_MAX),
             _mma_run(nq2, tokens * g.top_k * tiles2, GEMV_MMA_Q2_MAX))
 
@@ -556,7 +560,7 @@ def mma_config(cfg: "Config", geometry, q1: int, q2: int, window: int = GEMV_MMA
     flight (0: every load first); gemv2's programs of 128 rows where K <= ``GEMV_MMA_SMALL_K``, else 64."""
     g = geometry
     nq1, nq2 = mma_chunks(g)
-    bn2, warps2 = GEMV_MMA_BN2_SMALL_K if g.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_BN2
+    bn2, warps2 = _mma_gemv2_tile(g)
     return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
                                split1=-(-nq1 // q1), bn2=bn2, bk2=64 * q2, warps2=warps2, stages2=1,
                                split2=g.top_k * -(-nq2 // q2), window=window)
