@@ -8,10 +8,12 @@ package adds above the kernels. For scale it also times an empty op registered w
     python benchmarks/dispatch_overhead.py [--device cpu|cuda] [--calls 20000] [--triton]
 
 ``--triton`` (CPU) also times the Triton backend's own per-call Python: a handle prepared under
-``TRITON_INTERPRET=1`` whose precompiled launches are stubbed after assembling their argument
-lists, on its small-M (GEMV at one token: the one launch an eager call takes there, see
-``plan.eager_form``) and blocked (4 launches) paths. What the stub leaves out is triton's launcher
-itself.
+``TRITON_INTERPRET=1`` whose launches are marked compiled, so that ``Launch.__call__`` runs as after a
+GPU prepare up to the launcher's C function, which is replaced by a no-op (the stream lookup too), on
+its small-M (GEMV at one token: the one launch an eager call takes there, see ``plan.eager_form``)
+and blocked (4 launches) paths. What the no-op leaves out is triton's launcher itself: parsing the
+arguments, ``data_ptr()`` and a driver query for each tensor argument (the handle's own tensors go
+as addresses, ``_operands``), and the driver's launch.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def measure(device: str = "cpu", calls: int = 20000) -> dict[str, float]:
 
 
 def measure_triton(calls: int = 20000) -> dict[str, float]:
-    """The Triton backend's per-call Python with the kernel launches stubbed (CPU, interpreter)."""
+    """The Triton backend's per-call Python, triton's launcher left out (CPU, interpreter)."""
     import os
     os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel is first launched
     from b12x_ops.backends.triton import plan as P
@@ -82,13 +84,17 @@ def measure_triton(calls: int = 20000) -> dict[str, float]:
     w2, s2 = b12x_ops.quantize_mxfp4(torch.randn(E, K, N) * 0.05)
     h = b12x_ops.prepare_experts(w13, s13, w2, s2, top_k=top_k, backend="triton", max_tokens=64)
 
-    def stub(self, grid, *args):  # what Launch.__call__ does before triton's launcher
-        self._full_args(args)
-        P._hooks()
+    class Compiled:  # (what Launch.__call__ reads of a compiled kernel: only with a launch hook set)
+        def launch_metadata(self, grid, stream, *args):
+            return None
 
-    P.Launch.__call__ = stub
+    def c_launch(*args):  # triton's launcher, left out
+        return None
+
+    P._raw_stream, P._current_device = (lambda device: 0), (lambda: 0)  # (no CUDA here)
     for ln in h._state.plans.launches.values():  # (as after a GPU prepare: every launch compiled, which
-        ln.compiled = object()                    # the interpreter never records; the stub never uses it)
+        ln.compiled = Compiled()                  # the interpreter never records)
+        ln._function, ln._packed, ln._direct = 0, (4, 1, 0), (c_launch, 0, 0)
     res = {}
     for M, path in ((1, "small-M GEMV path, its one-launch eager form"), (32, "blocked path, 4 launches")):
         x = torch.randn(M, K, dtype=torch.bfloat16)
@@ -96,7 +102,7 @@ def measure_triton(calls: int = 20000) -> dict[str, float]:
         w = torch.rand(M, top_k)
         out = torch.empty_like(x)
         assert h._state.plans.plan_for(M)[1].gemv == (M == 1)
-        res[f"b12x::moe_w4a8_out on the triton backend, {path}, launches stubbed"] = _per_call_us(
+        res[f"b12x::moe_w4a8_out on the triton backend, {path}, launcher left out"] = _per_call_us(
             lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
     return res
 

@@ -441,10 +441,12 @@ def test_interp_every_input_dtype_through_one_kernel(w_dtype, id_dtype):
 @pytest.mark.parametrize("form", ["fused", "gemv", "gemv-xq", "blocked"])
 def test_interp_compiled_launches_get_the_same_addresses_without_views(form, monkeypatch):
     """A launch that is not compiled yet gets x, out, the ids and the weights as the 16/32-bit views its
-    kernel is compiled for; a compiled one (after a GPU prepare) gets the caller's tensors themselves,
-    since triton's launcher reads only their addresses (``_as``). Both argument lists hold the same
-    addresses and scalars, position by position, for every launch of each path (int64 ids, fp32
-    weights, strided: the words' strides are the views')."""
+    kernel is compiled for, and the handle's weights and scales and the arena's buffers as tensors; a
+    compiled one (after a GPU prepare) gets the caller's tensors themselves, since triton's launcher
+    reads only their addresses, and the handle's and arena's as addresses made once (``_args``,
+    ``_operands``). Both argument lists hold the same addresses and scalars, position by position,
+    for every launch of each path (int64 ids, fp32 weights, strided: the words' strides are the
+    views'). An arena grown by a later prepare gives the next call its new buffers' addresses."""
     from b12x_ops.backends import triton as TB
     layer = make_layer(E=4, K=64, N=32, top_k=3, offset=1)
     h = layer.prepare(backend="triton", max_tokens=8)
@@ -469,18 +471,32 @@ def test_interp_compiled_launches_get_the_same_addresses_without_views(form, mon
     TB._launch(h._state, rn, x, ids, w, out, TB._ALL)
     assert len(fresh) == len(calls) == len(gp.kinds(cfg))
     callers = {x.data_ptr(): x, ids.data_ptr(): ids, w.data_ptr(): w, out.data_ptr(): out}
-    undone = set()
+    st = h._state
+    owned = {t.data_ptr() for t in list(gp.arena.buffers.values()) + [getattr(st, n) for n in TB._HANDLE_OPERANDS]}
+    undone, addressed = set(), set()
     for (ln0, g0, a0), (ln1, g1, a1) in zip(fresh, calls):
         assert ln0 is ln1 and g0 == g1 and len(a0) == len(a1)
         for v, r in zip(a0, a1):
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor) and v.data_ptr() in owned:  # the handle's or the arena's
+                assert type(r) is int and r == v.data_ptr()
+                addressed.add(r)
+            elif isinstance(v, torch.Tensor):
                 assert isinstance(r, torch.Tensor) and v.data_ptr() == r.data_ptr()
                 if r is not v:  # (a view made for the compile: the compiled launch takes the caller's own tensor)
                     assert r is callers[r.data_ptr()] and v.dtype in (torch.int16, torch.int32)
                     undone.add(r.data_ptr())
             else:
-                assert v == r
+                assert type(v) is type(r) and v == r
     assert undone == set(callers)  # (every one of the four is viewed by some launch of every path)
+    assert {st.w13.data_ptr(), st.w13_scale.data_ptr(), st.w2.data_ptr(), gp.arena.buffers["act"].data_ptr()} <= addressed
+    # a prepare that grows the arena replaces its buffers: the next call takes the new ones' addresses
+    old_act = gp.arena.buffers["act"]
+    gp.arena.need("act", old_act.numel() * 2, old_act.dtype)
+    assert gp.arena.buffers["act"].data_ptr() != old_act.data_ptr()
+    calls.clear()
+    TB._launch(h._state, rn, x, ids, w, out, TB._ALL)
+    grown = {r for _, _, a in calls for r in a if type(r) is int}
+    assert gp.arena.buffers["act"].data_ptr() in grown and old_act.data_ptr() not in grown
 
 
 @inner

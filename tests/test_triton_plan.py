@@ -469,3 +469,90 @@ def test_gluon_configs_name_their_warps_when_a_launch_cannot_take_them():
     with pytest.raises(ValueError, match="6 warps for 128 rows"):
         GK.layouts(128, 16, 6)
     assert GK.layouts(128, 16)["mma"] == GK.layouts(128, 16, 8)["mma"]
+
+
+def _cuda_launcher(launch, coop=0, pdl=1, global_scratch=0, profile_scratch=0):
+    """An instance of the installed triton's CUDA launcher class, its compiled C function replaced by
+    ``launch`` (no GPU, no compile: only its Python ``__call__`` runs)."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    lau = object.__new__(driver.CudaLauncher)
+    lau.launch, lau.num_ctas = launch, 1
+    lau.global_scratch_size, lau.global_scratch_align = global_scratch, 1
+    lau.profile_scratch_size, lau.profile_scratch_align = profile_scratch, 1
+    lau.launch_cooperative_grid, lau.launch_pdl = coop, pdl
+    return lau
+
+
+def test_direct_launch_passes_the_launchers_c_function_what_its_call_would():
+    """``plan._direct_launch``: on the triton versions it names, calling the launcher's C function
+    directly hands it exactly what the launcher's own ``__call__`` does (checked here against the
+    installed triton's class where it is one of them); elsewhere, with scratch to allocate, or with
+    the knob off, no direct path (the launcher is called)."""
+    import triton
+    seen = []
+    lau = _cuda_launcher(lambda *a: seen.append(a))
+    args = (7, 8, 9, 1234, 5678, (4, 1, 0), None, None, None, "x", 3, 2.5)  # (grid, stream, function, ...)
+    direct = P._direct_launch(lau)
+    if triton.__version__.startswith(P.DIRECT_LAUNCH_VERSIONS):
+        assert direct is not None and direct[0] is lau.launch and direct[1:] == (0, 1)
+        lau(*args)
+        direct[0](*args[:5], direct[1], direct[2], None, None, *args[5:])
+        assert len(seen) == 2 and seen[0] == seen[1]
+    else:
+        assert direct is None
+    for bad in (dict(global_scratch=64), dict(profile_scratch=64)):
+        assert P._direct_launch(_cuda_launcher(lambda *a: None, **bad)) is None
+    assert P._direct_launch(object()) is None  # (a launcher of another shape)
+
+
+def test_compiled_launch_call_hands_the_launcher_its_arguments_and_constexprs(monkeypatch):
+    """``Launch.__call__`` after compiling: the current stream, the kernel's handle and metadata, the
+    runtime arguments and the constexprs (the launcher takes both), through the launcher's C function
+    where ``_direct_launch`` gave one, else through the launcher; a launch-enter hook gets its
+    metadata made."""
+    import triton
+    from b12x_ops.backends.triton import kernels as K_
+    ln = P.Launch(K_.finalize_kernel, dict(K=64, TOPK=2, ATOMIC=False, BR=4, BK=64), num_warps=4, num_stages=1)
+    seen = []
+
+    class Compiled:
+        def launch_metadata(self, grid, stream, *full):
+            return ("md", grid, stream, len(full))
+
+    monkeypatch.setattr(P, "_raw_stream", lambda dev: 1000 + dev)
+    monkeypatch.setattr(P, "_current_device", lambda: 3)
+    ln.compiled, ln._function, ln._packed = Compiled(), 99, (4, 1, 0)
+    ln._run = lambda *a: seen.append(("launcher",) + a)
+    args = tuple(range(ln.n_args))
+    full = args + ln._tail
+    ln._direct = (lambda *a: seen.append(("direct",) + a), 0, 1)
+    ln((5, 6, 7), *args)
+    ln._direct = None
+    ln((5, 6, 7), *args)
+    assert seen[0] == ("direct", 5, 6, 7, 1003, 99, 0, 1, None, None, (4, 1, 0), None, None, None) + full
+    assert seen[1] == ("launcher", 5, 6, 7, 1003, 99, (4, 1, 0), None, None, None) + full
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if knobs is not None:  # (a profiler's hook: the metadata is made for it)
+        hook = lambda md: None  # noqa: E731
+        monkeypatch.setattr(knobs, "launch_enter_hook", hook)
+        seen.clear()
+        ln((5, 6, 7), *args)
+        assert seen[0][:8] == ("launcher", 5, 6, 7, 1003, 99, (4, 1, 0), ("md", (5, 6, 7), 1003, len(full)))
+        assert seen[0][8] is hook
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sets(st.integers(1, 300), min_size=1, max_size=6), st.data())
+def test_cap_for_serves_each_count_by_the_smallest_plan_above_it(caps, data):
+    """``GeometryPlans.cap_for`` (a table made by ``add``): a call of ``m`` tokens takes the smallest
+    planned count of at least ``m``, and the top one above every plan (the handle runs larger batches
+    in chunks of it); the table follows each ``add``."""
+    g = geometry(8, 256, 128, 2)
+    gp = P.GeometryPlans(g, True, None, ptx=False, dry=True)
+    added = []
+    for cap in data.draw(st.permutations(sorted(caps))):
+        gp.add(cap, P.default_config(cap, g))
+        added.append(cap)
+        for m in list(range(1, max(added) + 3)):
+            above = [c for c in added if c >= m]
+            assert gp.cap_for(m) == (min(above) if above else max(added)), (sorted(added), m)

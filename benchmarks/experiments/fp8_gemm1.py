@@ -378,7 +378,8 @@ def use(layers):
 
     def swapped(self, grid, *args):
         if self.fn is gemm1_fp8_kernel:
-            w8, fw, ref, x8, fx = layers[args[4].data_ptr()]
+            w13 = args[4]  # (a compiled launch gets the handle's tensors as addresses: backends.triton._operands)
+            w8, fw, ref, x8, fx = layers[w13 if isinstance(w13, int) else w13.data_ptr()]
             args = (x8,) + args[1:4] + (w8,) + args[5:] + (fw, fx, ref)
         return call(self, grid, *args)
 

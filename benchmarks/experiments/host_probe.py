@@ -11,14 +11,13 @@ per call (``--calls`` calls between synchronizations, so the launch queue never 
 * ``op, launches stubbed``: the same with every precompiled launch returning at once;
 * ``backend run``: the backend's ``run`` alone (no dispatcher, no checks);
 * ``launches alone``: the call's launches replayed with their argument lists made beforehand;
-* ``launches, addresses given``: the same through triton's launcher with each tensor replaced by
-  its address (given a tensor, the launcher calls its ``data_ptr()`` and asks the driver about
-  the pointer; given an int it takes it as is): no faster on the H200's host, so
-  ``Launch.__call__`` passes the tensors;
-* ``launches, the handle's addresses cached``: through ``Launch.__call__`` with every tensor of the
-  handle (weights, scales, the scratch arena: fixed after prepare) replaced by its address made
-  once, the call's own x, ids, weights and out still tensors (what caching those addresses at
-  prepare would save a call; not done by the package);
+* ``launches, addresses given``: the same through triton's launcher with the call's own tensors
+  too replaced by their addresses made per call (given a tensor, the launcher calls its
+  ``data_ptr()`` and asks the driver about the pointer; given an int it takes it as is). The
+  handle's own tensors (weights, scales, the scratch arena) are addresses made once in every
+  column (``_operands``);
+* ``launches, launcher object``: the recorded launches through triton's launcher object (its
+  Python ``__call__``) instead of its C function (``plan._direct_launch``);
 * ``empty custom op``: an op registered with ``Library.define`` + ``impl`` doing nothing, on the
   same CUDA tensors (the dispatcher's floor).
 """
@@ -72,7 +71,7 @@ def main():
     empty = torch.ops.b12x_probe.empty.default
     print(f"torch {torch.__version__}; us per call, host (median of 20 runs of {args.calls} calls)")
     print("| M | path | op | op, launches stubbed | backend run | launches alone | launches, addresses given | "
-          "launches, the handle's addresses cached | empty custom op |")
+          "launches, launcher object | empty custom op |")
     print("|---|---|---|---|---|---|---|---|---|")
     for M in args.sizes:
         _, ids, w = routing(M, E, top_k, "cuda", M)
@@ -101,12 +100,12 @@ def main():
             ln._run(g[0], g[1], g[2], stream, ln._function, ln._packed, None, None, None, *ln._full_args(a))
 
         t_given = host_us(lambda: [given(ln, g, a) for ln, g, a in recorded], args.calls)
-        # the handle's own tensors (weights, scales, scratch: fixed after prepare) as addresses made
-        # once; the call's x, ids, weights and out (or their views) still passed as tensors
-        per_call = {t.data_ptr() for t in (x, ids, w, out)}
-        cached = [(ln, g, tuple(v.data_ptr() if type(v) is torch.Tensor and v.data_ptr() not in per_call else v
-                                for v in a)) for ln, g, a in recorded]
-        t_cached = host_us(lambda: [ln(g, *a) for ln, g, a in cached], args.calls)
+
+        def via_object(ln, g, a):
+            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+            ln._run(g[0], g[1], g[2], stream, ln._function, ln._packed, None, None, None, *ln._full_args(a))
+
+        t_object = host_us(lambda: [via_object(ln, g, a) for ln, g, a in recorded], args.calls)
         P.Launch.__call__ = lambda self, grid, *a: None
         try:
             t_stub = host_us(lambda: b12x_ops.moe_w4a8_out(x, ids, w, h, out), args.calls)
@@ -114,7 +113,7 @@ def main():
             P.Launch.__call__ = orig
         path = "GEMV" if st.plans.runner_for(M).cfg.gemv else "blocked"
         print(f"| {M} | {path}, {len(recorded)} launches | {t_op:.1f} | {t_stub:.1f} | {t_run:.1f} | {t_launch:.1f} | "
-              f"{t_given:.1f} | {t_cached:.1f} | {t_empty:.1f} |", flush=True)
+              f"{t_given:.1f} | {t_object:.1f} | {t_empty:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ class State:
     expert_offset: int
     limit: float
     checkpoint_bytes: int
+    # (``_operands``) the handle's tensors and its arena's buffers by name, as tensors and as
+    # addresses, made for the arena version it names
+    operands: tuple = dataclasses.field(default=(-1, {}, {}), repr=False)
 
 
 def prepare(spec) -> State:
@@ -337,15 +340,19 @@ def _raw_routing(topk_ids, topk_weights):
     return topk_ids, (si0, si1), topk_weights, (sw0, sw1), _W_KIND[topk_weights.dtype]
 
 
-def _as(t, dtype, ln):
-    """``t`` as launch ``ln`` takes it: its ``dtype`` view until ``ln`` is compiled (the compile
-    specializes on the pointer's element type), then ``t`` itself: a compiled launch reads only the
-    tensor's address (triton's launcher calls ``data_ptr()``), which a dtype view shares, and a view
-    costs about 1.5 us of host time a call."""
-    return t if ln.compiled is not None else t.view(dtype)
+def _args(ln, tens, addr, x, ids, w, out):
+    """What launch ``ln`` takes: the handle's and arena's operands (``_operands``) and the call's
+    x, ids, weights and out. Until ``ln`` is compiled, the tensors, and the call's as the 16/32-bit
+    words the kernels read (the compile specializes on the pointer's element type); then the
+    addresses and the call's tensors themselves: a compiled launch reads only a tensor's address
+    (triton's launcher calls ``data_ptr()``), which a dtype view shares, and a view costs about 1.5 us
+    of host time a call."""
+    if ln.compiled is not None:
+        return addr, x, ids, w, out
+    return tens, x.view(_I16), ids.view(_I32), w.view(_I16), out.view(_I16)
 
 
-_I16, _I32 = torch.int16, torch.int32  # (the words the kernels read x, out, ids and weights as: ``_as``)
+_I16, _I32, _F16 = torch.int16, torch.int32, torch.float16
 
 
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
@@ -354,72 +361,99 @@ def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):
     _launch(state, state.plans.runner(cfg), x, topk_ids, topk_weights, out, stages)
 
 
+_HANDLE_OPERANDS = ("w13", "w13_scale", "g13", "w2", "w2_scale", "g2")
+
+
+def _operands(state) -> tuple[dict, dict]:
+    """The handle's weights, scales and per-expert scales and its geometry's scratch buffers, by
+    name: ``(tensors, addresses)``. A compiled launch takes the address (triton's launcher takes an
+    int as is; given a tensor it calls ``data_ptr()`` and asks the driver about the pointer); the
+    first, compiling call of a launch takes the tensor (the compile specializes on its element type).
+    Made once per arena version: a prepare that grows the arena replaces buffers (``Arena.need``)."""
+    version, tens, addr = state.operands
+    arena = state.plans.arena
+    if version != arena.version:
+        tens = dict(arena.buffers)
+        for name in _HANDLE_OPERANDS:
+            tens[name] = getattr(state, name)
+        addr = {name: t.data_ptr() for name, t in tens.items()}
+        state.operands = (arena.version, tens, addr)
+    return tens, addr
+
+
 def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
-    a = state.plans.arena.buffers
+    tens, addr = _operands(state)
     m = x.shape[0]
     cfg = rn.cfg
-    S = m * state.plans.geometry.top_k
+    top_k = state.plans.geometry.top_k
+    S = m * top_k
+    sx = x.stride()[0]
+    x_fp16 = 1 if x.dtype is _F16 else 0
     if cfg.gemv:  # one launch (fused), two, or three with x quantized first; no routing pass (kernels.gemv1_kernel)
         ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
-        x_fp16 = int(x.dtype == torch.float16)
+        so, out_fp16 = out.stride()[0], 1 if out.dtype is _F16 else 0
         if cfg.fused:  # one launch (kernels.gemv_fused_kernel)
             if "gemm1" in stages:
                 ln = rn.gemm1
-                ln((rn.fused_programs(m, state.plans.geometry.top_k), 1, 1),
-                   _as(x, _I16, ln), _as(ids, _I32, ln), _as(w, _I16, ln), state.w13, state.w13_scale, state.g13,
-                   state.w2, state.w2_scale, state.g2, a["act"], _as(out, _I16, ln), a["part1"], a["cnt1"], a["part2"],
-                   a["cnt2"], a["sync"], m, x.stride(0), si0, si1, sw0, sw1, state.expert_offset, x_fp16, w_kind,
-                   out.stride(0), int(out.dtype == torch.float16), state.limit)
+                o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
+                ln((rn.fused_programs(m, top_k), 1, 1),
+                   X, I, W, o["w13"], o["w13_scale"], o["g13"], o["w2"], o["w2_scale"], o["g2"], o["act"], Y,
+                   o["part1"], o["cnt1"], o["part2"], o["cnt2"], o["sync"], m, sx, si0, si1, sw0, sw1,
+                   state.expert_offset, x_fp16, w_kind, so, out_fp16, state.limit)
             return
         if cfg.xq and "prologue" in stages:
             ln = rn.prologue
-            ln((m, rn.xquant_tiles, 1), _as(x, _I16, ln), a["xq"], m, x.stride(0), x_fp16)
-        if "gemm1" in stages and cfg.mma:  # (gluon_gemv: x's quantized row from xq)
+            o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
+            ln((m, rn.xquant_tiles, 1), X, o["xq"], m, sx, x_fp16)
+        if "gemm1" in stages:
             ln = rn.gemm1
-            ln((S * rn.n_tiles1, 1, 1), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
-               a["part1"], a["cnt1"], S, si0, si1, state.expert_offset, state.limit)
-        elif "gemm1" in stages:
-            ln = rn.gemm1
-            ln((S * rn.n_tiles1, 1, 1),
-               _as(x, _I16, ln), a["xq"], _as(ids, _I32, ln), state.w13, state.w13_scale, state.g13, a["act"],
-               a["part1"], a["cnt1"], S, x.stride(0), si0, si1, state.expert_offset, x_fp16, state.limit)
+            o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
+            if cfg.mma:  # (gluon_gemv: x's quantized row from xq)
+                ln((S * rn.n_tiles1, 1, 1), o["xq"], I, o["w13"], o["w13_scale"], o["g13"], o["act"], o["part1"],
+                   o["cnt1"], S, si0, si1, state.expert_offset, state.limit)
+            else:
+                ln((S * rn.n_tiles1, 1, 1), X, o["xq"], I, o["w13"], o["w13_scale"], o["g13"], o["act"], o["part1"],
+                   o["cnt1"], S, sx, si0, si1, state.expert_offset, x_fp16, state.limit)
         if "gemm2" in stages:
             ln = rn.gemm2
+            o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
             ln((m * rn.n_tiles2, 1, 1),
-               a["act"], _as(ids, _I32, ln), _as(w, _I16, ln), state.w2, state.w2_scale, state.g2, _as(out, _I16, ln),
-               a["part2"], a["cnt2"], m, si0, si1, sw0, sw1, state.expert_offset, w_kind, out.stride(0),
-               int(out.dtype == torch.float16))
+               o["act"], I, W, o["w2"], o["w2_scale"], o["g2"], Y, o["part2"], o["cnt2"], m, si0, si1, sw0, sw1,
+               state.expert_offset, w_kind, so, out_fp16)
         return
     nb = rn.blocks(S)
-    dst = a["acc"] if cfg.atomic else a["slots"]
-    xq, act = a["xq"], a["act"]
+    dst = "acc" if cfg.atomic else "slots"
     if "prologue" in stages:
         ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         ln = rn.prologue
-        ln((rn.prologue_programs(m, state.plans.geometry.top_k), 1, 1),
-           _as(ids, _I32, ln), _as(w, _I16, ln), _as(x, _I16, ln), xq, a["acc"], a["lid"], a["wts"], a["sorted"],
-           a["blk_expert"], a["blk_rows"], a["route_cnt"], a["route_key"], a["route_off"], m, si0, si1, sw0, sw1,
-           x.stride(0), state.expert_offset, nb, w_kind, int(x.dtype == torch.float16))
-    if "gemm1" in stages and cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked:
-        # plan.acc_zero_mode)
-        p1 = nb * rn.n_tiles1
-        rn.gemm1(
-            (p1, 1, 1),
-            xq, a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act, a["acc"], nb,
-            state.limit, -(-m // p1), m)
-    elif "gemm1" in stages:
-        rn.gemm1(
-            (nb * rn.n_tiles1, 1, 1),
-            xq, a["sorted"], a["blk_expert"], a["blk_rows"], state.w13, state.w13_scale, state.g13, act, nb,
-            state.limit)
+        o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
+        ln((rn.prologue_programs(m, top_k), 1, 1),
+           I, W, X, o["xq"], o["acc"], o["lid"], o["wts"], o["sorted"], o["blk_expert"], o["blk_rows"],
+           o["route_cnt"], o["route_key"], o["route_off"], m, si0, si1, sw0, sw1, sx, state.expert_offset, nb, w_kind,
+           x_fp16)
+    if "gemm1" in stages:
+        ln = rn.gemm1
+        o = addr if ln.compiled is not None else tens
+        if cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked: plan.acc_zero_mode)
+            p1 = nb * rn.n_tiles1
+            ln((p1, 1, 1),
+               o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"], o["act"],
+               o["acc"], nb, state.limit, -(-m // p1), m)
+        else:
+            ln((nb * rn.n_tiles1, 1, 1),
+               o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"], o["act"], nb,
+               state.limit)
     if "gemm2" in stages:
-        rn.gemm2(
-            (nb * rn.n_tiles2, 1, 1),
-            act, a["sorted"], a["blk_expert"], a["blk_rows"], state.w2, state.w2_scale, state.g2, a["wts"], dst, nb)
+        ln = rn.gemm2
+        o = addr if ln.compiled is not None else tens
+        ln((nb * rn.n_tiles2, 1, 1),
+           o["act"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w2"], o["w2_scale"], o["g2"], o["wts"], o[dst], nb)
     if "finalize" in stages:
         ln = rn.finalize
+        compiled = ln.compiled is not None
+        o = addr if compiled else tens
         ln((-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
-           dst, a["lid"], _as(out, _I16, ln), m, out.stride(0), int(out.dtype == torch.float16))
+           o[dst], o["lid"], out if compiled else out.view(_I16), m, out.stride()[0], 1 if out.dtype is _F16 else 0)
 
 
 def scratch_estimate(geometry, capacities, gemv=None) -> int:

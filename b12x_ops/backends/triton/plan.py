@@ -1,7 +1,7 @@
 """Plans, the shared scratch arena and precompiled launches for the Triton backend.
 
-Everything here runs at ``prepare`` time except ``Launch.__call__`` and ``GeometryPlans.plan_for``,
-which are the per-call path: a bisect, a few integer divisions and direct launches of kernels
+Everything here runs at ``prepare`` time except ``Launch.__call__`` and ``GeometryPlans.runner_for``,
+which are the per-call path: a table lookup, a few integer divisions and direct launches of kernels
 compiled at prepare (so an op call cannot compile: a missing kernel raises).
 
 Handles of one ``Geometry`` share one ``GeometryPlans``: its configs per planned token count, its
@@ -716,6 +716,7 @@ class Launch:
         self.options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
                             **({"launch_pdl": True} if pdl else {}))
         self.compiled = None
+        self._direct = None  # (after compiling) the launcher's C function, or None (``_direct_launch``)
         self.frozen = False
         # every stage kernel declares its constexprs last: a call's full argument list (the launcher
         # takes constexprs too) is then its runtime arguments plus this fixed tail
@@ -740,12 +741,52 @@ class Launch:
             if not INTERPRET:
                 self.compiled = ck
                 self._run, self._function, self._packed = ck.run, ck.function, ck.packed_metadata
+                self._direct = _direct_launch(ck.run)
             return
-        full = self._full_args(args)
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-        enter, leave = _hooks()
-        md = ck.launch_metadata(grid, stream, *full) if enter is not None else None
-        self._run(grid[0], grid[1], grid[2], stream, self._function, self._packed, md, enter, leave, *full)
+        full = args + self._tail
+        stream = _raw_stream(_current_device())
+        k = _RUNTIME_KNOBS
+        enter = leave = md = None
+        if k is not None:
+            enter, leave = _active(k.launch_enter_hook), _active(k.launch_exit_hook)
+            if enter is not None:
+                md = ck.launch_metadata(grid, stream, *full)
+        d = self._direct
+        if d is not None:
+            d[0](grid[0], grid[1], grid[2], stream, self._function, d[1], d[2], None, None, self._packed, md, enter, leave,
+                 *full)
+        else:
+            self._run(grid[0], grid[1], grid[2], stream, self._function, self._packed, md, enter, leave, *full)
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+# The launcher's own C entry point is called directly (``_direct_launch``) on the triton versions
+# whose launcher this was checked against; ``B12X_OPS_TRITON_DIRECT_LAUNCH=0`` turns it off.
+DIRECT_LAUNCH_VERSIONS = ("3.6.",)
+DIRECT_LAUNCH = os.environ.get("B12X_OPS_TRITON_DIRECT_LAUNCH", "1") != "0"
+
+
+def _direct_launch(launcher) -> tuple | None:
+    """``(launch, cooperative, pdl)``: the compiled C function behind triton's launcher object and
+    the two flags its Python ``__call__`` passes it, where that ``__call__`` adds nothing else (no
+    global or profile scratch to allocate); None where it may (then the launcher is called).
+
+    triton 3.6's ``CudaLauncher.__call__(gx, gy, gz, stream, function, *args)`` allocates the two
+    scratch buffers (only for sizes above 0) and calls ``self.launch(gx, gy, gz, stream, function,
+    launch_cooperative_grid, launch_pdl, global_scratch, profile_scratch, *args)``; skipping it saves
+    a Python frame, a closure and two calls a launch."""
+    if not DIRECT_LAUNCH or not triton.__version__.startswith(DIRECT_LAUNCH_VERSIONS):
+        return None
+    try:
+        launch = launcher.launch
+        flags = (launcher.launch_cooperative_grid, launcher.launch_pdl)
+        scratch = (launcher.global_scratch_size, launcher.profile_scratch_size)
+    except AttributeError:
+        return None
+    if not callable(launch) or any(scratch):
+        return None
+    return (launch, *flags)
 
 
 def _active(hook):
@@ -806,6 +847,9 @@ class Arena:
         self.device = device
         self.buffers: dict[str, torch.Tensor] = {}
         self.retired: list[torch.Tensor] = []
+        # bumped whenever a buffer is made or replaced: what a handle's cached addresses of the
+        # buffers (``_operands`` in the backend) are checked against on every call
+        self.version = 0
         self.dry = dry  # only size the buffers (memory estimates): nothing is allocated
         self.sizes: dict[str, int] = {}
 
@@ -822,6 +866,7 @@ class Arena:
         if cur is not None:
             self.retired.append(cur)
         self.buffers[name] = (torch.zeros if zeroed else torch.empty)(max(1, numel), dtype=dtype, device=self.device)
+        self.version += 1
 
     def __getitem__(self, name):
         return self.buffers[name]
@@ -845,6 +890,7 @@ class GeometryPlans:
         self.fold = bool(fold and self.ptx)
         self.configs: dict[int, Config] = {}
         self.caps: list[int] = []
+        self._cap_of: list[int] = []  # cap_for(m) for every m up to the top planned count (``add``)
         self.launches: dict[tuple, Launch] = {}
         self.runners: dict[int, Runner] = {}  # per planned count: what a call launches
         self.eager_runners: dict[int, Runner] = {}  # ... outside graph capture, where that differs
@@ -861,6 +907,8 @@ class GeometryPlans:
     # ---- per call
     def cap_for(self, m: int) -> int:
         """The planned token count that serves a call of ``m`` tokens (the top one above it)."""
+        if m < len(self._cap_of):
+            return self._cap_of[m]
         i = bisect.bisect_left(self.caps, m)
         return self.caps[min(i, len(self.caps) - 1)]
 
@@ -1094,6 +1142,8 @@ class GeometryPlans:
     def add(self, cap: int, cfg: Config) -> None:
         self.configs[cap] = cfg
         self.caps = sorted(self.configs)
+        self._cap_of = [self.caps[min(bisect.bisect_left(self.caps, m), len(self.caps) - 1)]
+                        for m in range(self.caps[-1] + 1)]
         self.reserve(cap, cfg)
         self.runners[cap] = self.runner(cfg, cap)
         eager = eager_form(cfg, self.geometry)
