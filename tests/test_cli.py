@@ -98,6 +98,19 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
         "the Gluon GEMM1, after its epilogue, where a plan has it")
     monkeypatch.setenv("B12X_OPS_TRITON_ACC_ZERO", "epilogue")
     assert "invalid B12X_OPS_TRITON_ACC_ZERO='epilogue'" in _field(_cli("info", "--device", "cpu").stdout, acc).group(1)
+    # how a compiled launch reaches the driver: the launcher's C function on the triton versions it
+    # was checked against, else (or when asked) the launcher object, the line saying which and why
+    import triton
+    from b12x_ops.backends.triton import plan as P
+
+    direct = r"^triton compiled launches: (.*)$"
+    if triton.__version__.startswith(P.DIRECT_LAUNCH_VERSIONS):
+        assert _field(info, direct).group(1).startswith("the launcher's C function called directly")
+    else:
+        assert _field(info, direct).group(1).endswith(f"only; this is {triton.__version__})")
+    monkeypatch.setenv("B12X_OPS_TRITON_DIRECT_LAUNCH", "0")
+    assert _field(_cli("info", "--device", "cpu").stdout, direct).group(1) == (
+        "through triton's launcher object (B12X_OPS_TRITON_DIRECT_LAUNCH=0)")
 
 
 @pytest.mark.parametrize("backend", ["b12x", "triton"])

@@ -767,6 +767,17 @@ DIRECT_LAUNCH_VERSIONS = ("3.6.",)
 DIRECT_LAUNCH = os.environ.get("B12X_OPS_TRITON_DIRECT_LAUNCH", "1") != "0"
 
 
+def direct_launch_status() -> str:
+    """How a compiled launch reaches the driver (``b12x-ops info``)."""
+    if not DIRECT_LAUNCH:
+        return "through triton's launcher object (B12X_OPS_TRITON_DIRECT_LAUNCH=0)"
+    if not triton.__version__.startswith(DIRECT_LAUNCH_VERSIONS):
+        return (f"through triton's launcher object (its C function is called directly on triton "
+                f"{', '.join(v + 'x' for v in DIRECT_LAUNCH_VERSIONS)} only; this is {triton.__version__})")
+    return (f"the launcher's C function called directly (triton {triton.__version__}; "
+            "B12X_OPS_TRITON_DIRECT_LAUNCH=0 turns it off)")
+
+
 def _direct_launch(launcher) -> tuple | None:
     """``(launch, cooperative, pdl)``: the compiled C function behind triton's launcher object and
     the two flags its Python ``__call__`` passes it, where that ``__call__`` adds nothing else (no
