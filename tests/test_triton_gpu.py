@@ -72,6 +72,37 @@ def test_gpu_sample_cases(name):
         assert rel_l2(got, want) <= 1e-2
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "odd-ep"])
+def test_gpu_compiled_launches_reach_the_driver_either_way_with_the_same_bits(name):
+    """After prepare every launch a call takes is compiled and gets the handle's operands as
+    addresses; on the triton versions ``plan._direct_launch`` was checked against it calls the
+    launcher's C function, elsewhere (or with the knob off) the launcher object. Both write the same
+    bits (deterministic mode) on the GEMV path's one and three launches and the blocked path's four."""
+    import triton
+
+    from b12x_ops.backends.triton import plan as P
+
+    layer, h, ref = _layer(name, deterministic=True)
+    gp = h._state.plans
+    direct = P.DIRECT_LAUNCH and triton.__version__.startswith(P.DIRECT_LAUNCH_VERSIONS)
+    for M in (1, 3, 16, 100):
+        x, ids, w = make_batch(layer, M, seed=M, device="cuda", padding_rows=1)
+        rn = gp.runner_for(M, lambda: False)
+        used = [ln for ln in (rn.prologue, rn.gemm1, rn.gemm2, rn.finalize) if ln is not None]
+        assert all(ln.compiled is not None and (ln._direct is not None) == direct for ln in used), M
+        first = b12x_ops.moe_w4a8(x, ids, w, h)
+        saved = [(ln, ln._direct) for ln in used]
+        try:
+            for ln, _ in saved:
+                ln._direct = None
+            second = b12x_ops.moe_w4a8(x, ids, w, h)
+        finally:
+            for ln, d in saved:
+                ln._direct = d
+        assert torch.equal(first, second), M
+        assert rel_l2(first, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, M
+
+
 def test_gpu_auto_picks_triton_on_non_sm120():
     if torch.cuda.get_device_capability()[0] == 12:
         pytest.skip("SM120: auto picks b12x there")
