@@ -787,7 +787,8 @@ def _direct_launch(launcher) -> tuple | None:
     scratch buffers (only for sizes above 0) and calls ``self.launch(gx, gy, gz, stream, function,
     launch_cooperative_grid, launch_pdl, global_scratch, profile_scratch, *args)``; skipping it saves
     a Python frame, a closure and two calls a launch."""
-    if not DIRECT_LAUNCH or not triton.__version__.startswith(DIRECT_LAUNCH_VERSIONS):
+    if (not DIRECT_LAUNCH or not triton.__version__.startswith(DIRECT_LAUNCH_VERSIONS)
+            or type(launcher).__name__ != "CudaLauncher"):  # (NVIDIA's launcher only: the one checked)
         return None
     try:
         launch = launcher.launch
@@ -808,13 +809,6 @@ def _active(hook):
 
 
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)  # (read once: hooks may change, the object not)
-
-
-def _hooks():
-    k = _RUNTIME_KNOBS
-    if k is None:
-        return None, None
-    return _active(k.launch_enter_hook), _active(k.launch_exit_hook)
 
 
 class Runner(NamedTuple):
