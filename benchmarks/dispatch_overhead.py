@@ -73,13 +73,17 @@ def measure(device: str = "cpu", calls: int = 20000) -> dict[str, float]:
     return results
 
 
-def measure_triton(calls: int = 20000) -> dict[str, float]:
-    """The Triton backend's per-call Python, triton's launcher left out (CPU, interpreter)."""
+def measure_triton(calls: int = 20000, data_ptr: bool = False) -> dict[str, float]:
+    """The Triton backend's per-call Python, triton's launcher left out (CPU, interpreter). With
+    ``data_ptr`` the left-out launcher calls ``data_ptr()`` on each tensor argument, as triton's does
+    (in C; here in a Python loop, so it overstates that part). Also runs a tree whose ``Launch`` calls
+    triton's launcher object and reads the stream at call time (``experiments/host_cpu_trees.py``)."""
     import os
     os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel is first launched
     from b12x_ops.backends.triton import plan as P
 
     E, K, N, top_k = 8, 256, 128, 4
+    torch.manual_seed(0)
     w13, s13 = b12x_ops.quantize_mxfp4(torch.randn(E, 2 * N, K) * 0.05)
     w2, s2 = b12x_ops.quantize_mxfp4(torch.randn(E, K, N) * 0.05)
     h = b12x_ops.prepare_experts(w13, s13, w2, s2, top_k=top_k, backend="triton", max_tokens=64)
@@ -89,12 +93,18 @@ def measure_triton(calls: int = 20000) -> dict[str, float]:
             return None
 
     def c_launch(*args):  # triton's launcher, left out
-        return None
+        if data_ptr:
+            for v in args:
+                if type(v) is torch.Tensor:
+                    v.data_ptr()
 
-    P._raw_stream, P._current_device = (lambda device: 0), (lambda: 0)  # (no CUDA here)
+    torch._C._cuda_getCurrentRawStream = lambda device: 0  # (no CUDA here)
+    torch._C._cuda_getDevice = lambda: 0
+    P._raw_stream, P._current_device = torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice
     for ln in h._state.plans.launches.values():  # (as after a GPU prepare: every launch compiled, which
         ln.compiled = Compiled()                  # the interpreter never records)
         ln._function, ln._packed, ln._direct = 0, (4, 1, 0), (c_launch, 0, 0)
+        ln._run = lambda gx, gy, gz, stream, function, *args: c_launch(*args)  # (the launcher object's path)
     res = {}
     for M, path in ((1, "small-M GEMV path, its one-launch eager form"), (32, "blocked path, 4 launches")):
         x = torch.randn(M, K, dtype=torch.bfloat16)

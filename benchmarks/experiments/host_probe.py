@@ -94,17 +94,14 @@ def main():
         P.Launch.__call__ = orig
         t_launch = host_us(lambda: [ln(g, *a) for ln, g, a in recorded], args.calls)
 
-        def given(ln, g, a):
+        def via_object(ln, g, a):  # (through triton's launcher object)
             stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            a = tuple([v.data_ptr() if type(v) is torch.Tensor else v for v in a])
             ln._run(g[0], g[1], g[2], stream, ln._function, ln._packed, None, None, None, *ln._full_args(a))
+
+        def given(ln, g, a):
+            via_object(ln, g, tuple([v.data_ptr() if type(v) is torch.Tensor else v for v in a]))
 
         t_given = host_us(lambda: [given(ln, g, a) for ln, g, a in recorded], args.calls)
-
-        def via_object(ln, g, a):
-            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-            ln._run(g[0], g[1], g[2], stream, ln._function, ln._packed, None, None, None, *ln._full_args(a))
-
         t_object = host_us(lambda: [via_object(ln, g, a) for ln, g, a in recorded], args.calls)
         P.Launch.__call__ = lambda self, grid, *a: None
         try:

@@ -496,6 +496,7 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
 # 22.2 and 35.8 -> 36.6; gpt-oss 32.0 -> 32.6; ``benchmarks/results/gemv_forms.md``).
 GEMV_MMA_TOKENS = 2  # (at most this many tokens, and 1 where N >= GEMV_XQ_WIDE_N)
 GEMV_MMA_SMALL_K = 2048
+GEMV_MMA_BN1 = 64  # (gemv1's columns of up and of gate a program, in 4 warps)
 GEMV_MMA_BN2, GEMV_MMA_BN2_SMALL_K = (64, 4), (128, 8)  # (gemv2's rows and warps a program)
 # A program keeps the loads of GEMV_MMA_WINDOW chunks in flight and issues the next chunk's as it
 # multiplies one (``Config.window``), so its runs can be long: each kernel's runs are of equal length, the
@@ -536,7 +537,7 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     if tokens > (1 if g.intermediate_size >= GEMV_XQ_WIDE_N else GEMV_MMA_TOKENS):
         return None
     nq1, nq2 = mma_chunks(g)
-    tiles1, tiles2 = -(-g.intermediate_size // 64), -(-g.hidden_size // _mma_gemv2_tile(g)[0])
+    tiles1, tiles2 = -(-g.intermediate_size // GEMV_MMA_BN1), -(-g.hidden_size // _mma_gemv2_tile(g)[0])
     return (_mma_run(nq1, tokens * g.top_k * tiles1, GEMV_MMA_Q1_MAX),
             _mma_run(nq2, tokens * g.top_k * tiles2, GEMV_MMA_Q2_MAX))
 
@@ -561,8 +562,8 @@ def mma_config(cfg: "Config", geometry, q1: int, q2: int, window: int = GEMV_MMA
     g = geometry
     nq1, nq2 = mma_chunks(g)
     bn2, warps2 = _mma_gemv2_tile(g)
-    return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=64, bk1=64 * q1, warps1=4, stages1=1,
-                               split1=-(-nq1 // q1), bn2=bn2, bk2=64 * q2, warps2=warps2, stages2=1,
+    return dataclasses.replace(cfg, mma=True, xq=True, fused=False, bn1=GEMV_MMA_BN1, bk1=64 * q1, warps1=4,
+                               stages1=1, split1=-(-nq1 // q1), bn2=bn2, bk2=64 * q2, warps2=warps2, stages2=1,
                                split2=g.top_k * -(-nq2 // q2), window=window)
 
 
@@ -743,7 +744,7 @@ class Launch:
                 self._run, self._function, self._packed = ck.run, ck.function, ck.packed_metadata
                 self._direct = _direct_launch(ck.run)
             return
-        full = args + self._tail
+        full = self._full_args(args)
         stream = _raw_stream(_current_device())
         k = _RUNTIME_KNOBS
         enter = leave = md = None
@@ -753,8 +754,8 @@ class Launch:
                 md = ck.launch_metadata(grid, stream, *full)
         d = self._direct
         if d is not None:
-            d[0](grid[0], grid[1], grid[2], stream, self._function, d[1], d[2], None, None, self._packed, md, enter, leave,
-                 *full)
+            d[0](grid[0], grid[1], grid[2], stream, self._function, d[1], d[2], None, None, self._packed, md, enter,
+                 leave, *full)
         else:
             self._run(grid[0], grid[1], grid[2], stream, self._function, self._packed, md, enter, leave, *full)
 
