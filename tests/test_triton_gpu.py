@@ -191,6 +191,7 @@ def test_gpu_routing_matches_twin_in_graph_replays(name):
     bound (``PROLOGUE["RT"]`` slots) and at 8192 tokens, replayed from a CUDA graph with new
     routing each time (foreign and padding ids, one replay with every slot on one expert): the
     block table exact, each block's slots as a set, and the counters left at zero."""
+    from b12x_ops.backends import triton as TB
     from b12x_ops.backends.triton import _launch
     from b12x_ops.backends.triton import kernels as K_
     from b12x_ops.backends.triton import plan as P
@@ -207,7 +208,8 @@ def test_gpu_routing_matches_twin_in_graph_replays(name):
         gp = P.GeometryPlans(g, True, gemv=False)
         cfg = P.default_config(M, g, gemv=False)
         gp.reserve(M, cfg)
-        st = types.SimpleNamespace(plans=gp, expert_offset=off)
+        st = types.SimpleNamespace(plans=gp, expert_offset=off, operands=(-1, {}, {}),  # (as a State has)
+                                   **{n: torch.empty(0, device="cuda") for n in TB._HANDLE_OPERANDS})
         batches = [make_batch(layer, M, seed=s, padding_rows=M // 5) for s in range(3)]
         batches[2][1][:, :] = off + E - 1
         x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
