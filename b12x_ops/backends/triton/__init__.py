@@ -346,10 +346,17 @@ def _args(ln, tens, addr, x, ids, w, out):
     words the kernels read (the compile specializes on the pointer's element type); then the
     addresses and the call's tensors themselves: a compiled launch reads only a tensor's address
     (triton's launcher calls ``data_ptr()``), which a dtype view shares, and a view costs about 1.5 us
-    of host time a call."""
+    of host time a call. ``ids`` and ``w`` may be None (a launch that takes neither)."""
     if ln.compiled is not None:
         return addr, x, ids, w, out
-    return tens, x.view(_I16), ids.view(_I32), w.view(_I16), out.view(_I16)
+    return (tens, x.view(_I16), None if ids is None else ids.view(_I32), None if w is None else w.view(_I16),
+            out.view(_I16))
+
+
+def _ops(ln, tens, addr):
+    """The handle's and arena's operands as launch ``ln`` takes them (``_args``), for a launch that
+    takes none of the call's tensors."""
+    return addr if ln.compiled is not None else tens
 
 
 _I16, _I32, _F16 = torch.int16, torch.int32, torch.float16
@@ -389,9 +396,9 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     S = m * top_k
     sx = x.stride()[0]
     x_fp16 = 1 if x.dtype is _F16 else 0
+    so, out_fp16 = out.stride()[0], 1 if out.dtype is _F16 else 0
     if cfg.gemv:  # one launch (fused), two, or three with x quantized first; no routing pass (kernels.gemv1_kernel)
         ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
-        so, out_fp16 = out.stride()[0], 1 if out.dtype is _F16 else 0
         if cfg.fused:  # one launch (kernels.gemv_fused_kernel)
             if "gemm1" in stages:
                 ln = rn.gemm1
@@ -433,7 +440,7 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
            x_fp16)
     if "gemm1" in stages:
         ln = rn.gemm1
-        o = addr if ln.compiled is not None else tens
+        o = _ops(ln, tens, addr)
         if cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked: plan.acc_zero_mode)
             p1 = nb * rn.n_tiles1
             ln((p1, 1, 1),
@@ -445,15 +452,13 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
                state.limit)
     if "gemm2" in stages:
         ln = rn.gemm2
-        o = addr if ln.compiled is not None else tens
+        o = _ops(ln, tens, addr)
         ln((nb * rn.n_tiles2, 1, 1),
            o["act"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w2"], o["w2_scale"], o["g2"], o["wts"], o[dst], nb)
     if "finalize" in stages:
         ln = rn.finalize
-        compiled = ln.compiled is not None
-        o = addr if compiled else tens
-        ln((-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
-           o[dst], o["lid"], out if compiled else out.view(_I16), m, out.stride()[0], 1 if out.dtype is _F16 else 0)
+        o, X, I, W, Y = _args(ln, tens, addr, x, None, None, out)
+        ln((-(-m // rn.finalize_rows), rn.n_tiles_fin, 1), o[dst], o["lid"], Y, m, so, out_fp16)
 
 
 def scratch_estimate(geometry, capacities, gemv=None) -> int:
