@@ -295,10 +295,10 @@ def test_mma_gemv_runs_are_the_longest_that_keep_enough_programs():
 
 
 @pytest.mark.parametrize("name", list(GEOS))
-def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
-    """Where the Gluon GEMMs run (sm_90), an untuned GEMV plan of one token, or of two where N is under
-    ``GEMV_XQ_WIDE_N`` (not gpt-oss), runs on mma.sync (``gluon_gemv``; H200: 2-13 % faster there, slower
-    at gpt-oss's two tokens and at four); its config quantizes x first, its splits cover every 64-element
+def test_gemv_on_mma_sync_takes_every_token_count_of_the_gemv_path(name):
+    """Where the Gluon GEMMs run (sm_90), an untuned GEMV plan of any token count the GEMV path serves
+    (``GEMV_MMA_TOKENS``, 1-4) runs on mma.sync (``gluon_gemv``; H200, gpt-oss: 21-27 % faster at 2-4
+    tokens with two chunks in flight); its config quantizes x first, its splits cover every 64-element
     chunk once (``mma_config``), its launches pass ``_check_mma`` and take their constexprs last,
     eager calls fall back to the one-launch tl.dot GEMV, and a config the kernels cannot run is
     refused before anything compiles."""
@@ -309,7 +309,7 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
     nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
     for tokens in (1, 2, 3, 4):
         cfg = P.default_config(tokens, g, gemv=True)
-        want = tokens == 1 or (tokens == 2 and g.intermediate_size < P.GEMV_XQ_WIDE_N)
+        want = tokens <= P.GEMV_MMA_TOKENS == P.GEMV_MAX_TOKENS == 4
         form = P.gemv_mma_form(tokens, g)
         assert (form is not None) == want, (tokens, form)
         gp.gluon = False
@@ -371,7 +371,7 @@ def test_gemv_on_mma_sync_takes_one_token_and_two_where_n_is_narrow(name):
     cands = P.candidate_configs(1, g, None, gluon=True)
     mma = [c for c in cands if c.mma]
     q2s = P.mma_q2_candidates(g)
-    assert {3, 4, 6, 8, nq2} <= set(q2s) and {P.gemv_mma_form(t, g)[1] for t in (1, 2) if P.gemv_mma_form(t, g)} <= set(q2s)
+    assert {3, 4, 6, 8, nq2} <= set(q2s) and {P.gemv_mma_form(t, g)[1] for t in (1, 2, 3, 4) if P.gemv_mma_form(t, g)} <= set(q2s)
     q1s = P.mma_q1_candidates(1, g)
     assert q1s == sorted({4, P.gemv_mma_form(1, g)[0]} if P.gemv_mma_form(1, g) else {2, 4})
     assert {(c.bk1 // 64, c.bk2 // 64) for c in mma} == {(q1, q2) for q1 in q1s for q2 in q2s}
