@@ -371,9 +371,9 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     half a chunk in the odd layers), 1-4 tokens with padding, other ranks' ids, both W13 layouts, the
     limit and the global scales: against the reference and the tl.dot GEMV with x quantized first
     (the same products; the fp32 sums split at other points), bit-identical over 20 runs, the counts
-    back at zero after each call, and under CUDA-graph replay with new inputs; an untuned plan of one
-    token runs it. Programs that keep fewer chunks' loads in flight than they multiply (``Config.window``)
-    write the bits of the same programs with every load first."""
+    back at zero after each call, and under CUDA-graph replay with new inputs; the untuned plans of
+    every token count the GEMV path serves run it. Programs that keep fewer chunks' loads in flight
+    than they multiply (``Config.window``) write the bits of the same programs with every load first."""
     import dataclasses
 
     from b12x_ops.backends.triton import _launch_all
@@ -386,9 +386,11 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, deterministic=True, frozen=False)
     st = h._state
     g = st.plans.geometry
-    assert st.plans.configs[1].mma and st.plans.mma_pdl
+    assert st.plans.mma_pdl and all(c.mma for M, c in st.plans.configs.items() if M <= P.GEMV_MMA_TOKENS)
     forms = [(2, 4, 0), (4, 6, 0), (1, 1, 0), (4, 6, 3), (3, 4, 1)]
-    forms += [P.gemv_mma_form(1, g) + (P.GEMV_MMA_WINDOW,)]  # (the untuned plan's)
+    for M in range(1, P.GEMV_MMA_TOKENS + 1):  # (the untuned plans')
+        if P.gemv_mma_form(M, g) + (P.GEMV_MMA_WINDOW,) not in forms:
+            forms += [P.gemv_mma_form(M, g) + (P.GEMV_MMA_WINDOW,)]
     for q1, q2, window in forms:
         for i, M in enumerate((1, 2, 4)):
             base = P.default_config(M, g, gemv=True)
