@@ -346,16 +346,15 @@ def _args(ln, tens, addr, x, ids, w, out):
     words the kernels read (the compile specializes on the pointer's element type); then the
     addresses and the call's tensors themselves: a compiled launch reads only a tensor's address
     (triton's launcher calls ``data_ptr()``), which a dtype view shares, and a view costs about 1.5 us
-    of host time a call. ``ids`` and ``w`` may be None (a launch that takes neither)."""
+    of host time a call."""
     if ln.compiled is not None:
         return addr, x, ids, w, out
-    return (tens, x.view(_I16), None if ids is None else ids.view(_I32), None if w is None else w.view(_I16),
-            out.view(_I16))
+    return tens, x.view(_I16), ids.view(_I32), w.view(_I16), out.view(_I16)
 
 
 def _ops(ln, tens, addr):
     """The handle's and arena's operands as launch ``ln`` takes them (``_args``), for a launch that
-    takes none of the call's tensors."""
+    takes none of the call's x, ids and weights."""
     return addr if ln.compiled is not None else tens
 
 
@@ -457,8 +456,9 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
            o["act"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w2"], o["w2_scale"], o["g2"], o["wts"], o[dst], nb)
     if "finalize" in stages:
         ln = rn.finalize
-        o, X, I, W, Y = _args(ln, tens, addr, x, None, None, out)
-        ln((-(-m // rn.finalize_rows), rn.n_tiles_fin, 1), o[dst], o["lid"], Y, m, so, out_fp16)
+        o = _ops(ln, tens, addr)
+        ln((-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
+           o[dst], o["lid"], out if ln.compiled is not None else out.view(_I16), m, so, out_fp16)
 
 
 def scratch_estimate(geometry, capacities, gemv=None) -> int:
