@@ -25,7 +25,7 @@ GEOMETRIES = {
     "odd-ep": dict(E=5, K=160, N=64, top_k=2, offset=7, limit=3.0, layout="w31", global_scales=True),
 }
 SIZES = {
-    "gpt-oss-120b": (1, 2, 5, 16, 64, 333, 2048, 8192),
+    "gpt-oss-120b": (1, 2, 5, 8, 16, 64, 333, 2048, 8192),
     "dsv4-tp4": (1, 3, 16, 64, 512, 8192),
     "qwen3-30b-a3b": (1, 7, 32, 128, 1000, 8192),
     "odd-3x96": (1, 2, 17, 300, 4100),
@@ -147,6 +147,39 @@ def test_gpu_cuda_graph_capture_replays_new_inputs():
         g.replay()
         want = b12x_ops.moe_w4a8(x2, ids2, w2, ref)
         assert rel_l2(out, want) <= 1e-2
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b"])
+def test_gpu_gemv_path_serves_up_to_eight_tokens_eager_and_captured(name):
+    """Where the GEMV runs on mma.sync, untuned plans of 5-8 tokens take the GEMV path up to 48 slots
+    (``plan.GEMV_MMA_MAX_SLOTS``, ``GEMV_MMA_MAX_TOKENS``; gpt-oss and DSv4 to 8 tokens, Qwen3 to 6) and the
+    blocked path above: against the reference, and an eager call (the one-launch form where prepare
+    timed it faster) writes the bits a captured call's replay writes."""
+    from b12x_ops.backends.triton import plan as P
+
+    layer, h, ref = _layer(name)
+    gp = h._state.plans
+    if not gp.gluon:
+        pytest.skip("the GEMV path serves 5-8 tokens where it runs on mma.sync (sm_90, triton's Gluon)")
+    for M in (5, 6, 7, 8):
+        cap, cfg = gp.plan_for(M)
+        want = cap * gp.geometry.top_k <= 48 and cap <= 8
+        assert cfg.gemv == cfg.mma == want, (M, cap, cfg)
+        x, ids, w = make_batch(layer, M, seed=30 + M, device="cuda", padding_rows=1)
+        eager = b12x_ops.moe_w4a8(x, ids, w, h)
+        assert rel_l2(eager, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, M
+        if not want:
+            continue
+        out = torch.full_like(x, float("nan"))
+        b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), M
 
 
 def test_gpu_reduce_overhead_records_and_replays_cuda_graphs():

@@ -295,9 +295,40 @@ def test_mma_gemv_runs_are_the_longest_that_keep_enough_programs():
 
 
 @pytest.mark.parametrize("name", list(GEOS))
+def test_gemv_path_serves_up_to_eight_tokens_where_it_runs_on_mma_sync(name):
+    """The untuned plans' path by token count: the GEMV path up to 32 slots and 4 tokens, 48 slots and 8
+    tokens (``GEMV_MMA_MAX_SLOTS``, ``GEMV_MMA_MAX_TOKENS``) where its kernels run on mma.sync (H100: gpt-oss
+    at 8 tokens 156.9 us against the blocked path's 170.4, DSv4 at 8 0.89 of it, while the tl.dot GEMV,
+    172.2 at gpt-oss's 8, is not faster than the blocked path); a forced mode overrides either; the
+    tuner's candidates follow the same bound."""
+    g = geometry(*GEOS[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx = gp.fold = True
+    assert (P.GEMV_MAX_SLOTS, P.GEMV_MAX_TOKENS, P.GEMV_MMA_MAX_SLOTS, P.GEMV_MMA_MAX_TOKENS) == (32, 4, 48, 8)
+    for tokens in range(1, 13):
+        for gluon, slots, most in ((False, 32, 4), (True, 48, 8)):
+            gp.gluon = gluon
+            cfg = gp.default(tokens)
+            want = tokens * g.top_k <= slots and tokens <= most
+            assert cfg.gemv == want == P.use_gemv(tokens, g, mma=gluon), (tokens, gluon)
+            assert cfg.mma == (want and gluon), (tokens, gluon)  # (a GEMV plan on such a GPU: mma.sync)
+            assert cfg == gp.with_gluon(P.default_config(tokens, g, None, mma=gluon), tokens)
+            cands = P.candidate_configs(tokens, g, None, gluon=gluon)
+            assert any(c.gemv for c in cands) == want and any(not c.gemv for c in cands)
+            if want and gluon:
+                assert any(c.mma for c in cands)
+        assert P.use_gemv(tokens, g, True) and not P.use_gemv(tokens, g, False, mma=True)
+    # the benchmark's geometries: the top token count on the GEMV path, without and with mma.sync
+    want = {"gpt-oss-120b": (4, 8), "dsv4.1-tp4": (4, 8), "qwen3-30b-a3b": (4, 6), "small": (4, 8)}[name]
+    for gluon, top in zip((False, True), want):
+        gp.gluon = gluon
+        assert gp.default(top).gemv and not gp.default(top + 1).gemv, (gluon, top)
+
+
+@pytest.mark.parametrize("name", list(GEOS))
 def test_gemv_on_mma_sync_takes_every_token_count_of_the_gemv_path(name):
     """Where the Gluon GEMMs run (sm_90), an untuned GEMV plan of any token count the GEMV path serves
-    (``GEMV_MMA_TOKENS``, 1-4) runs on mma.sync (``gluon_gemv``; H200, gpt-oss: 21-27 % faster at 2-4
+    (``GEMV_MMA_TOKENS``, 1-8) runs on mma.sync (``gluon_gemv``; H200, gpt-oss: 21-27 % faster at 2-4
     tokens with two chunks in flight); its config quantizes x first, its splits cover every 64-element
     chunk once (``mma_config``), its launches pass ``_check_mma`` and take their constexprs last,
     eager calls fall back to the one-launch tl.dot GEMV, and a config the kernels cannot run is
@@ -307,9 +338,9 @@ def test_gemv_on_mma_sync_takes_every_token_count_of_the_gemv_path(name):
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
     gp.ptx = gp.fold = True  # (a GPU prepare's choices)
     nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
-    for tokens in (1, 2, 3, 4):
+    for tokens in range(1, P.GEMV_MMA_MAX_TOKENS + 2):
         cfg = P.default_config(tokens, g, gemv=True)
-        want = tokens <= P.GEMV_MMA_TOKENS == P.GEMV_MAX_TOKENS == 4
+        want = tokens <= P.GEMV_MMA_TOKENS == P.GEMV_MMA_MAX_TOKENS == 8
         form = P.gemv_mma_form(tokens, g)
         assert (form is not None) == want, (tokens, form)
         gp.gluon = False

@@ -8,7 +8,8 @@ Options (``prepare_experts(..., backend="triton", **options)``):
 * ``cache_dir`` (str): where the tuning cache lives.
 * ``gemv`` (bool or None, default None): the small-M GEMV path (one routed slot a program, no
   routing pass) serves token counts of at most ``plan.GEMV_MAX_TOKENS`` tokens and
-  ``plan.GEMV_MAX_SLOTS`` slots (``tokens * top_k``), the blocked tensor-core path the rest (the
+  ``plan.GEMV_MAX_SLOTS`` slots (``tokens * top_k``; ``GEMV_MMA_MAX_TOKENS`` and ``GEMV_MMA_MAX_SLOTS``
+  where it runs on mma.sync), the blocked tensor-core path the rest (the
   tuner may pick either below the bound); ``True`` uses GEMV for every planned count, ``False``
   never (benchmarks compare the two this way).
 * ``ptx`` (bool or None, default None): the kernels decode MXFP4 with inline PTX
@@ -187,7 +188,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     g = state.plans.geometry
     mode = state.plans.gemv
     if not tune:
-        return {c: state.plans.with_gluon(P.default_config(c, g, mode), c) for c in caps}
+        return {c: state.plans.default(c) for c in caps}
     path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx, state.plans.gluon)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]

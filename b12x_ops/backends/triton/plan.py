@@ -404,6 +404,15 @@ def _atomic(tokens: int, geometry) -> bool:
 # M = 4, the blocked path 1.03-1.05x faster at M = 8 on the three benchmark geometries).
 GEMV_MAX_SLOTS = 32
 GEMV_MAX_TOKENS = 4
+# ... and up to GEMV_MMA_MAX_SLOTS slots and GEMV_MMA_MAX_TOKENS tokens where the GEMV runs on mma.sync (a
+# GPU that runs the Gluon kernels, ``GeometryPlans.gluon``). H100, whole op, the mma.sync GEMV against the
+# blocked path (``benchmarks/results/gemv_tokens.md``): gpt-oss at 5 / 6 / 8 tokens 102.7 / 119.0 / 153.1 us
+# against 119.0 / 134.3 / 169.8 (the tl.dot GEMV, 172.2 at 8, was no faster than the blocked path); DSv4 at
+# 5 / 6 / 8 tokens (30-48 slots) 0.85-0.89 of the blocked path; Qwen3 at 6 tokens (48 slots) 0.93, at 5 and
+# 8 (40, 64) even. From 12 tokens on the GEMV reads a slot's weights where the blocked path reads an expert's
+# once for its slots, and loses on gpt-oss (16 tokens: 281.3 against 273.9) and Qwen3 (123.5 against 94.1).
+GEMV_MMA_MAX_SLOTS = 48
+GEMV_MMA_MAX_TOKENS = 8
 # GEMV tiles: gemv1 (bn: N outputs of up and of gate, a multiple of 16; bk: K step, a multiple of
 # 64), gemv2 (bn: K outputs; bk: N step), with 4 warps. Both decode like the blocked GEMMs and
 # multiply on the tensor cores (64 weight rows a warpgroup). A program's K steps wait on HBM one
@@ -451,7 +460,7 @@ GEMV_FUSED_EAGER = os.environ.get("B12X_OPS_TRITON_GEMV_FUSED", "1") != "0"
 def gemv_fused_status() -> str:
     """Whether eager calls launch the GEMV path as one kernel, and why (``b12x-ops info``)."""
     if GEMV_FUSED_EAGER:
-        return (f"on: calls of up to {GEMV_MAX_TOKENS} tokens (the GEMV path) outside CUDA-graph capture launch "
+        return ("on: calls of the GEMV path outside CUDA-graph capture launch "
                 "gemv1 and gemv2 as one kernel where prepare timed that faster (B12X_OPS_TRITON_GEMV_FUSED=0 turns "
                 "it off)")
     return "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
@@ -494,7 +503,7 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
 # but gemv2's of 128 rows and 8 warps where K <= 2048: half as many programs over K's few output tiles
 # (same call, 64/4 -> 128/8: Qwen3 one token 15.6 -> 15.1 us, two 26.0 -> 25.7; DSv4, K = 5120, 22.2 ->
 # 22.2 and 35.8 -> 36.6; gpt-oss 32.0 -> 32.6; ``benchmarks/results/gemv_forms.md``).
-GEMV_MMA_TOKENS = GEMV_MAX_TOKENS  # (every token count of the GEMV path; see the window's note below)
+GEMV_MMA_TOKENS = GEMV_MMA_MAX_TOKENS  # (every token count of the GEMV path; see the window's note below)
 GEMV_MMA_SMALL_K = 2048
 GEMV_MMA_BN1 = 64  # (gemv1's columns of up and of gate a program, in 4 warps)
 GEMV_MMA_BN2, GEMV_MMA_BN2_SMALL_K = (64, 4), (128, 8)  # (gemv2's rows and warps a program)
@@ -619,11 +628,14 @@ def gemv_candidates(geometry) -> tuple[list[tuple], list[tuple]]:
     return t1, t2
 
 
-def use_gemv(tokens: int, geometry, mode=None) -> bool:
-    """Whether the GEMV path serves ``tokens``: ``mode`` True/False forces it, None decides by size."""
+def use_gemv(tokens: int, geometry, mode=None, mma: bool = False) -> bool:
+    """Whether the GEMV path serves ``tokens``: ``mode`` True/False forces it, None decides by size (up
+    to ``GEMV_MAX_SLOTS`` slots and ``GEMV_MAX_TOKENS`` tokens; with ``mma``, where the GEMV runs on
+    mma.sync, ``GEMV_MMA_MAX_SLOTS`` and ``GEMV_MMA_MAX_TOKENS``)."""
     if mode is not None:
         return bool(mode)
-    return tokens * geometry.top_k <= GEMV_MAX_SLOTS and tokens <= GEMV_MAX_TOKENS
+    slots, tokens_most = (GEMV_MMA_MAX_SLOTS, GEMV_MMA_MAX_TOKENS) if mma else (GEMV_MAX_SLOTS, GEMV_MAX_TOKENS)
+    return tokens * geometry.top_k <= slots and tokens <= tokens_most
 
 
 def gemv_config(tokens: int, geometry) -> Config:
@@ -651,10 +663,10 @@ def gemv_config(tokens: int, geometry) -> Config:
     return Config.of(1, g1, g2, False, gemv=True)  # (gemv2 sums a token's slots itself: no atomics)
 
 
-def default_config(tokens: int, geometry, gemv=None) -> Config:
-    """A good configuration without tuning: the GEMV path for few slots (``gemv`` None), else by
-    rows per touched expert."""
-    if use_gemv(tokens, geometry, gemv):
+def default_config(tokens: int, geometry, gemv=None, mma: bool = False) -> Config:
+    """A good configuration without tuning: the GEMV path for few slots (``gemv`` None; ``use_gemv``,
+    ``mma``: a GPU whose GEMV runs on mma.sync), else by rows per touched expert."""
+    if use_gemv(tokens, geometry, gemv, mma):
         return gemv_config(tokens, geometry)
     bm, g1, g2 = _regime(tokens, geometry)[0]
     if bm == 16:  # (the wide tiles above)
@@ -670,7 +682,7 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
     with ``gluon`` (a GPU that runs them: ``gluon_status``) the Gluon GEMMs at blocks of at least
     ``GLUON_TUNE_MIN_BM`` rows."""
     out = []
-    if gemv is True or (gemv is None and use_gemv(tokens, geometry)):
+    if gemv is True or (gemv is None and use_gemv(tokens, geometry, mma=gluon)):
         t1, t2 = gemv_candidates(geometry)
         t1 += [c + (True,) for c in t1]  # (each with x quantized by a launch of its own, too)
         d = gemv_config(tokens, geometry)  # (the default among them)
@@ -1129,6 +1141,12 @@ class GeometryPlans:
             a.need("acc", tokens * g.hidden_size, torch.float32)
         else:
             a.need("slots", S * g.hidden_size, torch.float32)
+
+    def default(self, tokens: int) -> Config:
+        """The untuned plan of ``tokens`` tokens on this GPU: ``default_config`` (the GEMV path up to
+        ``GEMV_MMA_MAX_SLOTS`` slots and ``GEMV_MMA_MAX_TOKENS`` tokens where it runs on mma.sync) in
+        ``with_gluon``'s forms."""
+        return self.with_gluon(default_config(tokens, self.geometry, self.gemv, mma=self.gluon), tokens)
 
     def with_gluon(self, cfg: Config, tokens: int | None = None) -> Config:
         """``cfg`` with its GEMMs in Gluon where this GPU takes them, in the forms of its block size
