@@ -408,7 +408,7 @@ GEMV_MAX_TOKENS = 4
 # GPU that runs the Gluon kernels, ``GeometryPlans.gluon``). H100, whole op, the mma.sync GEMV against the
 # blocked path (``benchmarks/results/gemv_tokens.md``): gpt-oss at 5 / 6 / 8 tokens 102.7 / 119.0 / 153.1 us
 # against 119.0 / 134.3 / 169.8 (the tl.dot GEMV, 172.2 at 8, was no faster than the blocked path); DSv4 at
-# 5 / 6 / 8 tokens (30-48 slots) 0.85-0.89 of the blocked path; Qwen3 at 6 tokens (48 slots) 0.93, at 5 and
+# 5 / 6 / 8 tokens (30-48 slots) 0.86-0.89 of the blocked path; Qwen3 at 6 tokens (48 slots) 0.93, at 5 and
 # 8 (40, 64) even. From 12 tokens on the GEMV reads a slot's weights where the blocked path reads an expert's
 # once for its slots, and loses on gpt-oss (16 tokens: 281.3 against 273.9) and Qwen3 (123.5 against 94.1).
 GEMV_MMA_MAX_SLOTS = 48
