@@ -183,8 +183,10 @@ def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
     gp.ptx = gp.fold = True
     forms = [(M, P.eager_form(P.default_config(M, g))) for M in (1, 2, 3, 4)]
     # (and those of the mma.sync plans, whose gemv2 of 6 chunks the tl.dot kernels take as 4)
-    forms += [(M, P.eager_form(P.mma_config(P.default_config(M, g), g, *P.gemv_mma_form(M, g)), g)) for M in (1, 2, 3, 4)
-              if P.gemv_mma_form(M, g)]
+    # (every token count the GEMV path serves on mma.sync, 1-8, each form once)
+    forms += [(M, P.eager_form(P.mma_config(P.default_config(M, g, gemv=True), g, *P.gemv_mma_form(M, g)), g))
+              for M in range(1, P.GEMV_MMA_MAX_TOKENS + 1) if P.gemv_mma_form(M, g)]
+    forms = list({cfg: (M, cfg) for M, cfg in reversed(forms)}.values())
     for M, cfg in forms:
         assert cfg.gemv and cfg.fused and not cfg.xq
         stages = gp.stages(cfg, M)
@@ -377,7 +379,9 @@ def test_mma_gemv_compiles_with_its_weights_loaded_before_the_wait(offline, name
     gp.ptx = gp.fold = True
     gp.mma_pdl = True
     forms = [(1, (2, 4), 0), (2, (4, 4), 0), (1, (4, 2), 0), (1, (6, 5), 2)]
-    forms += [(M, P.gemv_mma_form(M, g), P.GEMV_MMA_WINDOW) for M in (1, 2, 3, 4) if P.gemv_mma_form(M, g)]
+    forms += [(M, P.gemv_mma_form(M, g), P.GEMV_MMA_WINDOW) for M in range(1, P.GEMV_MMA_MAX_TOKENS + 1)
+              if P.gemv_mma_form(M, g)]
+    forms = list({f[1:]: f for f in reversed(forms)}.values())  # (each form once, at its fewest tokens)
     for M, (q1, q2), window in forms:
         cfg = P.mma_config(P.default_config(M, g, gemv=True), g, q1, q2, window)
         for which, kernel in ((1, "gemv1_mma_kernel"), (2, "gemv2_mma_kernel")):
