@@ -419,9 +419,9 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, deterministic=True, frozen=False)
     st = h._state
     g = st.plans.geometry
-    assert st.plans.mma_pdl and all(c.mma for M, c in st.plans.configs.items() if M <= P.GEMV_MMA_TOKENS)
+    assert st.plans.mma_pdl and all(c.mma for M, c in st.plans.configs.items() if M <= P.GEMV_MMA_MAX_TOKENS)
     forms = [(2, 4, 0), (4, 6, 0), (1, 1, 0), (4, 6, 3), (3, 4, 1)]
-    for M in range(1, P.GEMV_MMA_TOKENS + 1):  # (the untuned plans')
+    for M in range(1, P.GEMV_MMA_MAX_TOKENS + 1):  # (the untuned plans')
         if P.gemv_mma_form(M, g) + (P.GEMV_MMA_WINDOW,) not in forms:
             forms += [P.gemv_mma_form(M, g) + (P.GEMV_MMA_WINDOW,)]
     for q1, q2, window in forms:

@@ -328,7 +328,7 @@ def test_gemv_path_serves_up_to_eight_tokens_where_it_runs_on_mma_sync(name):
 @pytest.mark.parametrize("name", list(GEOS))
 def test_gemv_on_mma_sync_takes_every_token_count_of_the_gemv_path(name):
     """Where the Gluon GEMMs run (sm_90), an untuned GEMV plan of any token count the GEMV path serves
-    (``GEMV_MMA_TOKENS``, 1-8) runs on mma.sync (``gluon_gemv``; H200, gpt-oss: 21-27 % faster at 2-4
+    (``GEMV_MMA_MAX_TOKENS``, 1-8) runs on mma.sync (``gluon_gemv``; H200, gpt-oss: 21-27 % faster at 2-4
     tokens with two chunks in flight); its config quantizes x first, its splits cover every 64-element
     chunk once (``mma_config``), its launches pass ``_check_mma`` and take their constexprs last,
     eager calls fall back to the one-launch tl.dot GEMV, and a config the kernels cannot run is
@@ -340,7 +340,7 @@ def test_gemv_on_mma_sync_takes_every_token_count_of_the_gemv_path(name):
     nq1, nq2 = -(-g.hidden_size // 64), -(-g.intermediate_size // 64)
     for tokens in range(1, P.GEMV_MMA_MAX_TOKENS + 2):
         cfg = P.default_config(tokens, g, gemv=True)
-        want = tokens <= P.GEMV_MMA_TOKENS == P.GEMV_MMA_MAX_TOKENS == 8
+        want = tokens <= P.GEMV_MMA_MAX_TOKENS == 8
         form = P.gemv_mma_form(tokens, g)
         assert (form is not None) == want, (tokens, form)
         gp.gluon = False

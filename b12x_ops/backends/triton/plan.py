@@ -503,7 +503,6 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
 # but gemv2's of 128 rows and 8 warps where K <= 2048: half as many programs over K's few output tiles
 # (same call, 64/4 -> 128/8: Qwen3 one token 15.6 -> 15.1 us, two 26.0 -> 25.7; DSv4, K = 5120, 22.2 ->
 # 22.2 and 35.8 -> 36.6; gpt-oss 32.0 -> 32.6; ``benchmarks/results/gemv_forms.md``).
-GEMV_MMA_TOKENS = GEMV_MMA_MAX_TOKENS  # (every token count of the GEMV path; see the window's note below)
 GEMV_MMA_SMALL_K = 2048
 GEMV_MMA_BN1 = 64  # (gemv1's columns of up and of gate a program, in 4 warps)
 GEMV_MMA_BN2, GEMV_MMA_BN2_SMALL_K = (64, 4), (128, 8)  # (gemv2's rows and warps a program)
@@ -546,7 +545,7 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     """The mma.sync GEMV's chunks a program ``(gemv1, gemv2)`` for an untuned plan of ``tokens`` tokens,
     or None where the tl.dot GEMV is the default."""
     g = geometry
-    if tokens > GEMV_MMA_TOKENS:
+    if tokens > GEMV_MMA_MAX_TOKENS:
         return None
     nq1, nq2 = mma_chunks(g)
     tiles1, tiles2 = -(-g.intermediate_size // GEMV_MMA_BN1), -(-g.hidden_size // _mma_gemv2_tile(g)[0])
@@ -564,7 +563,7 @@ def mma_q1_candidates(tokens: int, geometry) -> list[int]:
 def mma_q2_candidates(geometry) -> list[int]:
     """gemv2's chunks a program that the tuner times on mma.sync: 3, 4, 6, 8, a slot's whole row and
     the untuned plans' counts."""
-    forms = [gemv_mma_form(t, geometry) for t in range(1, GEMV_MMA_TOKENS + 1)]
+    forms = [gemv_mma_form(t, geometry) for t in range(1, GEMV_MMA_MAX_TOKENS + 1)]
     return sorted({3, 4, 6, 8, mma_chunks(geometry)[1]} | {f[1] for f in forms if f})
 
 
@@ -585,7 +584,7 @@ def gemv_mma_status(device, ptx: bool = True) -> str:
     if not on:
         return f"off: it runs where the Gluon GEMMs do, and they are {why}"
     pdl = "with" if gemv_mma_pdl(device) else "without"
-    return (f"on: untuned plans of up to {GEMV_MMA_TOKENS} tokens run gemv1 and gemv2 on mma.sync "
+    return (f"on: untuned plans of up to {GEMV_MMA_MAX_TOKENS} tokens run gemv1 and gemv2 on mma.sync "
             f"in Gluon, {GEMV_MMA_WINDOW} chunks' loads in flight a program, {pdl} programmatic dependent launch "
             "(B12X_OPS_TRITON_GLUON=0 turns it off with the Gluon GEMMs)")
 
