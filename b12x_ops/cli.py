@@ -141,6 +141,9 @@ def _print_triton_launch(device) -> None:
     print(f"triton half tiles for part-empty blocks: {plan.half_tiles_status()}")
     print(f"triton GEMM2 accumulator zeroed by: {plan.acc_zero_status()}")
     print(f"triton compiled launches: {plan.direct_launch_status()}")
+    from .backends.triton import chain
+
+    print(f"triton eager GEMV calls: {chain.status()}")
 
 
 def _parse_geometry(text: str) -> tuple[int, int, int, int]:

@@ -103,6 +103,67 @@ def test_gpu_compiled_launches_reach_the_driver_either_way_with_the_same_bits(na
         assert rel_l2(first, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, M
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])
+def test_gpu_eager_gemv_calls_launch_by_their_chain_with_the_launches_bits(name):
+    """An eager call on the GEMV path (but its one-launch form) launches its kernels by one C call
+    (``chain.py``), not through triton's launcher (made to fail here), and writes the bits the
+    launches write (chains off) and a captured call's replay writes; int32/int64 ids, fp32/bf16/fp16
+    weights, strided routing, fp16 x, padding and foreign ids. (The one-launch eager form, where
+    prepare keeps it, is not chained: it goes through triton's launcher.)"""
+    from b12x_ops.backends.triton import chain
+
+    layer, h, ref = _layer(name)
+    state = h._state
+    gp = state.plans
+    assert chain.ENABLED and chain.module() is not None
+    ran = 0
+    for i, M in enumerate(range(1, 9)):
+        rn = gp.runner_for(M, lambda: False)
+        if not rn.cfg.gemv:
+            continue
+        x, ids, w = make_batch(layer, M, seed=40 + M, device="cuda", padding_rows=min(1, M // 2),
+                               strided=(i % 3 == 1), id_dtype=torch.int64 if i % 2 else torch.int32,
+                               w_dtype=(torch.float32, torch.bfloat16, torch.float16)[i % 3],
+                               x_dtype=torch.float16 if i % 4 == 3 else torch.bfloat16)
+        used = [ln for ln in (rn.prologue, rn.gemm1, rn.gemm2) if ln is not None]
+        saved = [(ln, ln._direct, ln._run) for ln in used]
+
+        def boom(*args, **kwargs):
+            raise AssertionError("launched through triton's launcher")
+
+        try:
+            for ln, _, _ in saved:
+                ln._direct, ln._run = None, boom
+            if rn.cfg.fused:  # (one launch, where prepare timed it faster: no chain; it goes through the launcher)
+                with pytest.raises(AssertionError, match="triton's launcher"):
+                    b12x_ops.moe_w4a8(x, ids, w, h)
+                ran += 1
+                continue
+            chained = b12x_ops.moe_w4a8(x, ids, w, h)
+        finally:
+            for ln, d, r in saved:
+                ln._direct, ln._run = d, r
+        assert state.chains[rn.cfg][1] is not None, M
+        chain.ENABLED = False
+        try:
+            launched = b12x_ops.moe_w4a8(x, ids, w, h)
+        finally:
+            chain.ENABLED = True
+        assert torch.equal(chained, launched), M
+        assert rel_l2(chained.float(), b12x_ops.moe_w4a8(x, ids, w, ref).float()) <= 1e-2, M
+        out = torch.full_like(x, float("nan"))
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+        g.replay()
+        torch.cuda.synchronize()
+        if gp.runner_for(M, lambda: True) is rn:  # (the same form captured: the same bits)
+            assert torch.equal(out, chained), M
+        ran += 1
+    assert ran >= 2, name
+
+
 def test_gpu_auto_picks_triton_on_non_sm120():
     if torch.cuda.get_device_capability()[0] == 12:
         pytest.skip("SM120: auto picks b12x there")

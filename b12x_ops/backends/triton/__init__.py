@@ -21,8 +21,8 @@ Options (``prepare_experts(..., backend="triton", **options)``):
 
 The handle keeps the MXFP4 codes in the layout of ``layout.py`` (made at prepare, in place of the
 checkpoint's: the same bytes but for K padded to a multiple of 64) and the scale bytes as they are.
-The per-call path (``run``) is four precompiled launches (two on the small-M GEMV path; see
-``kernels.py``) and no host sync.
+The per-call path (``run``) is four precompiled launches (two or three on the small-M GEMV path; see
+``kernels.py``) and no host sync; an eager GEMV call's launches go out by one C call (``chain.py``).
 Under ``TRITON_INTERPRET=1`` the backend also runs on the CPU, with fp32 operands (the CPU
 interpreter gets bf16 ``tl.dot`` wrong), which is how CI tests the kernels' logic.
 """
@@ -37,7 +37,10 @@ import weakref
 
 import torch
 
+from . import chain as _CH
+
 NAME = "triton"
+_CH_MOD = _P = None  # (the chain's C module and the plan module, once a chain is built: ``_build_chain``)
 _OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "ptx")
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
@@ -79,6 +82,8 @@ class State:
     # (``_operands``) the handle's tensors and its arena's buffers by name, as tensors and as
     # addresses, made for the arena version it names
     operands: tuple = dataclasses.field(default=(-1, {}, {}), repr=False)
+    # (``_chained``) eager GEMV calls' chains (``chain.build``) by config: ``(arena version, chain or None)``
+    chains: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def prepare(spec) -> State:
@@ -157,6 +162,7 @@ def _warm(state, cap):
     eager = gp.eager_runners.get(cap)
     if eager is None:
         run(state, x, ids, w, out)
+        run(state, x, ids, w, out)  # (kernels compiled by the first: this one builds a GEMV plan's chain)
         return
     # Both forms compiled and warmed; the eager form kept only where eager calls of it are faster
     # here: it saves a launch's host time, which pays only while the host, not the GPU, sets the
@@ -164,9 +170,15 @@ def _warm(state, cap):
     forms = [gp.runners[cap], eager]
     for rn in forms:
         _launch(state, rn, x, ids, w, out, _ALL)
-    two, one = (_eager_seconds(lambda rn=rn: _launch(state, rn, x, ids, w, out, _ALL)) for rn in forms)
+    two, one = (_eager_seconds(lambda rn=rn: _issue(state, rn, x, ids, w, out)) for rn in forms)
     if one >= two:
         del gp.eager_runners[cap]
+
+
+def _issue(state, rn, x, ids, w, out) -> None:
+    """One eager call of runner ``rn`` as ``run`` makes it: by its chain where it has one."""
+    if not (rn.cfg.gemv and _CH.ENABLED and _chained(state, rn, x, ids, w, out)):
+        _launch(state, rn, x, ids, w, out, _ALL)
 
 
 def _eager_seconds(fn, calls=20, reps=3) -> float:
@@ -310,10 +322,60 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
             e = min(s + step, m)
             _launch(state, rn, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e], _ALL)
         return
+    if cfg.gemv and x.is_cuda and _CH.ENABLED and _chained(state, rn, x, topk_ids, topk_weights, out):
+        return
     _launch(state, rn, x, topk_ids, topk_weights, out, _ALL)
 
 
+def _chained(state, rn, x, topk_ids, topk_weights, out) -> bool:
+    """Launch GEMV runner ``rn``'s kernels for this call by its chain (``chain.py``: one C call);
+    False (nothing launched) where there is none: not built (kernels not yet compiled, no C module,
+    a kernel it cannot pass) or launch hooks to call (a profiler: triton's launcher calls them)."""
+    gp = state.plans
+    ch = state.chains.get(rn.cfg)
+    if ch is None or ch[0] != gp.arena.version:
+        blob = _build_chain(state, rn)
+        if blob is _NOT_YET:
+            return False
+        ch = state.chains[rn.cfg] = (gp.arena.version, blob)
+    blob = ch[1]
+    if blob is None:
+        return False
+    P = _P
+    k = P._RUNTIME_KNOBS
+    if k is not None and (P._active(k.launch_enter_hook) is not None or P._active(k.launch_exit_hook) is not None):
+        return False
+    ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
+    return _CH_MOD.launch(blob, P._raw_stream(P._current_device()), x.data_ptr(), ids.data_ptr(), w.data_ptr(),
+                          out.data_ptr(), x.shape[0], x.stride(0), si0, si1, sw0, sw1, w_kind, out.stride(0),
+                          1 if x.dtype is _F16 else 0, 1 if out.dtype is _F16 else 0)
+
+
+def _build_chain(state, rn):
+    """GEMV runner ``rn``'s chain for ``state`` (``chain.build``), None where it has none, ``_NOT_YET``
+    while its kernels are not all compiled (the first, compiling calls go through ``_launch``)."""
+    global _CH_MOD, _P
+    from . import plan as P
+
+    _P = P
+    cfg = rn.cfg
+    if cfg.fused:  # (one launch already: triton's launcher; its grid is not linear in M)
+        return None
+    used = [rn.gemm1, rn.gemm2] + ([rn.prologue] if cfg.xq else [])
+    if any(ln is None or ln.compiled is None for ln in used):
+        return _NOT_YET
+    _CH_MOD = _CH.module()
+    if _CH_MOD is None:
+        return None
+    tens, addr = _operands(state)
+    v = _CH.placeholders()  # (VALUES: x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind, so, x_fp16, out_fp16)
+    return _CH.build(_gemv_launches(state, rn, tens, addr, v["x"], v["ids"], v["w"], v["out"], v["m"], v["sx"],
+                                    v["si0"], v["si1"], v["sw0"], v["sw1"], v["w_kind"], v["so"], v["x_fp16"],
+                                    v["out_fp16"]))
+
+
 _ALL = ("prologue", "gemm1", "gemm2", "finalize")
+_NOT_YET = object()
 _capturing = torch.cuda.is_current_stream_capturing
 
 
@@ -388,6 +450,48 @@ def _operands(state) -> tuple[dict, dict]:
     return tens, addr
 
 
+def _gemv_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind, so, x_fp16, out_fp16,
+                   stages=_ALL) -> list:
+    """The GEMV path's launches of ``stages`` as ``(launch, grid, args)``: one (fused), two, or three with x
+    quantized first; no routing pass (``kernels.gemv1_kernel``). ``ids`` and ``w`` are the routing's words
+    (``_raw_routing``). ``_launch`` runs them; ``chain.build`` writes them down with the call's own values as
+    ``chain.Var`` placeholders (so both take their arguments from here)."""
+    cfg = rn.cfg
+    top_k = state.plans.geometry.top_k
+    S = m * top_k
+    out_l = []
+    if cfg.fused:  # one launch (kernels.gemv_fused_kernel)
+        if "gemm1" in stages:
+            ln = rn.gemm1
+            o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
+            out_l.append((ln, (rn.fused_programs(m, top_k), 1, 1),
+                          (X, I, W, o["w13"], o["w13_scale"], o["g13"], o["w2"], o["w2_scale"], o["g2"], o["act"], Y,
+                           o["part1"], o["cnt1"], o["part2"], o["cnt2"], o["sync"], m, sx, si0, si1, sw0, sw1,
+                           state.expert_offset, x_fp16, w_kind, so, out_fp16, state.limit)))
+        return out_l
+    if cfg.xq and "prologue" in stages:
+        ln = rn.prologue
+        o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
+        out_l.append((ln, (m, rn.xquant_tiles, 1), (X, o["xq"], m, sx, x_fp16)))
+    if "gemm1" in stages:
+        ln = rn.gemm1
+        o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
+        if cfg.mma:  # (gluon_gemv: x's quantized row from xq)
+            args = (o["xq"], I, o["w13"], o["w13_scale"], o["g13"], o["act"], o["part1"], o["cnt1"], S, si0, si1,
+                    state.expert_offset, state.limit)
+        else:
+            args = (X, o["xq"], I, o["w13"], o["w13_scale"], o["g13"], o["act"], o["part1"], o["cnt1"], S, sx, si0, si1,
+                    state.expert_offset, x_fp16, state.limit)
+        out_l.append((ln, (S * rn.n_tiles1, 1, 1), args))
+    if "gemm2" in stages:
+        ln = rn.gemm2
+        o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
+        out_l.append((ln, (m * rn.n_tiles2, 1, 1),
+                      (o["act"], I, W, o["w2"], o["w2_scale"], o["g2"], Y, o["part2"], o["cnt2"], m, si0, si1, sw0, sw1,
+                       state.expert_offset, w_kind, so, out_fp16)))
+    return out_l
+
+
 def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     tens, addr = _operands(state)
     m = x.shape[0]
@@ -399,34 +503,9 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     so, out_fp16 = out.stride()[0], 1 if out.dtype is _F16 else 0
     if cfg.gemv:  # one launch (fused), two, or three with x quantized first; no routing pass (kernels.gemv1_kernel)
         ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
-        if cfg.fused:  # one launch (kernels.gemv_fused_kernel)
-            if "gemm1" in stages:
-                ln = rn.gemm1
-                o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
-                ln((rn.fused_programs(m, top_k), 1, 1),
-                   X, I, W, o["w13"], o["w13_scale"], o["g13"], o["w2"], o["w2_scale"], o["g2"], o["act"], Y,
-                   o["part1"], o["cnt1"], o["part2"], o["cnt2"], o["sync"], m, sx, si0, si1, sw0, sw1,
-                   state.expert_offset, x_fp16, w_kind, so, out_fp16, state.limit)
-            return
-        if cfg.xq and "prologue" in stages:
-            ln = rn.prologue
-            o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
-            ln((m, rn.xquant_tiles, 1), X, o["xq"], m, sx, x_fp16)
-        if "gemm1" in stages:
-            ln = rn.gemm1
-            o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
-            if cfg.mma:  # (gluon_gemv: x's quantized row from xq)
-                ln((S * rn.n_tiles1, 1, 1), o["xq"], I, o["w13"], o["w13_scale"], o["g13"], o["act"], o["part1"],
-                   o["cnt1"], S, si0, si1, state.expert_offset, state.limit)
-            else:
-                ln((S * rn.n_tiles1, 1, 1), X, o["xq"], I, o["w13"], o["w13_scale"], o["g13"], o["act"], o["part1"],
-                   o["cnt1"], S, sx, si0, si1, state.expert_offset, x_fp16, state.limit)
-        if "gemm2" in stages:
-            ln = rn.gemm2
-            o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
-            ln((m * rn.n_tiles2, 1, 1),
-               o["act"], I, W, o["w2"], o["w2_scale"], o["g2"], Y, o["part2"], o["cnt2"], m, si0, si1, sw0, sw1,
-               state.expert_offset, w_kind, so, out_fp16)
+        for ln, grid, args in _gemv_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind,
+                                             so, x_fp16, out_fp16, stages):
+            ln(grid, *args)
         return
     nb = rn.blocks(S)
     dst = "acc" if cfg.atomic else "slots"
