@@ -13,7 +13,9 @@ GPU prepare up to the launcher's C function, which is replaced by a no-op (the s
 its small-M (GEMV at one token: the one launch an eager call takes there, see ``plan.eager_form``)
 and blocked (4 launches) paths. What the no-op leaves out is triton's launcher itself: parsing the
 arguments, ``data_ptr()`` and a driver query for each tensor argument (the handle's own tensors go
-as addresses, ``_operands``), and the driver's launch.
+as addresses, ``_operands``), and the driver's launch. Then the GEMV path's launches apart (no
+one-launch form) twice: through the launcher (chains off) and by their chain (``chain.py``), whose
+one C call is a no-op here: the Python left of an eager GEMV call.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import types
 
 import torch
 
@@ -114,6 +117,26 @@ def measure_triton(calls: int = 20000, data_ptr: bool = False) -> dict[str, floa
         assert h._state.plans.plan_for(M)[1].gemv == (M == 1)
         res[f"b12x::moe_w4a8_out on the triton backend, {path}, launcher left out"] = _per_call_us(
             lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
+    # the GEMV path's launches apart (no one-launch eager form), through triton's launcher (chains off)
+    # and by its chain (``backends/triton/chain.py``), the C call left out
+    import b12x_ops.backends.triton as T
+
+    st = h._state
+    gp = st.plans
+    gp.eager_runners.clear()
+    rn = gp.runner_for(1, lambda: False)
+    assert rn.cfg.gemv and not rn.cfg.fused
+    x, ids, w = torch.randn(1, K, dtype=torch.bfloat16), torch.randint(0, E, (1, top_k), dtype=torch.int32), torch.rand(1, top_k)
+    out = torch.empty_like(x)
+    path = f"small-M GEMV path, its {len(gp.kinds(rn.cfg))} launches"
+    T._CH.ENABLED = False
+    res[f"b12x::moe_w4a8_out on the triton backend, {path}, launcher left out"] = _per_call_us(
+        lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
+    T._CH.ENABLED = True
+    T._P, T._CH_MOD = P, types.SimpleNamespace(launch=lambda *args: True)  # (what _build_chain sets; the C call left out)
+    st.chains[rn.cfg] = (gp.arena.version, b"(a chain)")
+    res[f"b12x::moe_w4a8_out on the triton backend, {path} by their chain, the C call left out"] = _per_call_us(
+        lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
     return res
 
 

@@ -1,7 +1,24 @@
 import os
+import sys
 
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """``benchmarks/compile_offline.py``: the package's launches compiled for a GPU this machine lacks
+    (triton's wheel carries ptxas); needs the compiler, not the interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("compile tests need the compiler, not the interpreter (unset TRITON_INTERPRET)")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import compile_offline
+    finally:
+        sys.path.pop(0)
+    return compile_offline
 
 
 def pytest_collection_modifyitems(config, items):

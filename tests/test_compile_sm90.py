@@ -18,18 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def offline():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail("compile tests need the compiler, not the interpreter (unset TRITON_INTERPRET)")
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import compile_offline
-    finally:
-        sys.path.pop(0)
-    return compile_offline
+# (the ``offline`` fixture, benchmarks/compile_offline.py, is conftest.py's)
 
 
 GEOMETRIES = {  # the benchmark's three layers (benchmarks/bench_moe.py)

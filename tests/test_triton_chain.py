@@ -11,15 +11,12 @@ with concrete values (``_gemv_launches``).
 
 from __future__ import annotations
 
-import os
 import random
 import struct
-import sys
 import types
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_compile_sm90 import GEOMETRIES
 
 
 @pytest.fixture(scope="module")
@@ -95,25 +92,13 @@ def _expected(sig, names, full) -> bytes:
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tokens,mma", [("qwen3-30b-a3b", 1, False), ("dsv4.1-tp4", 4, True),
                                              ("gpt-oss-120b", 3, True)])
-def test_chain_passes_what_the_launches_pass(chain_mod, name, tokens, mma):
+def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, mma):
     import triton
 
     from b12x_ops.backends.triton import _gemv_launches, chain
     from b12x_ops.backends.triton import plan as P
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail("the offline compile needs the compiler, not the interpreter (unset TRITON_INTERPRET)")
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import compile_offline
-    finally:
-        sys.path.pop(0)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    try:
-        from test_compile_sm90 import GEOMETRIES
-    finally:
-        sys.path.pop(0)
-    g = compile_offline._geometry(GEOMETRIES[name])
+    g = offline._geometry(GEOMETRIES[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
     gp.ptx, gp.fold, gp.dot_dtype = True, True, triton.language.bfloat16
     cfg = P.default_config(tokens, g, gemv=True)
@@ -123,7 +108,7 @@ def test_chain_passes_what_the_launches_pass(chain_mod, name, tokens, mma):
     launches = [ln for ln in (rn.prologue, rn.gemm1, rn.gemm2) if ln is not None]
     assert len(launches) == (3 if cfg.xq else 2)
     for k, ln in enumerate(launches):  # (as after a GPU prepare: compiled, the kernel's handle kept)
-        ln.compiled = compile_offline.compile_launch(ln, 90)
+        ln.compiled = offline.compile_launch(ln, 90)
         ln._function = 0x5000 + k
     state = types.SimpleNamespace(plans=gp, expert_offset=37, limit=float(g.swiglu_limit or 0.0))
     addr = _Addresses()

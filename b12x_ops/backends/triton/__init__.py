@@ -322,15 +322,16 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
             e = min(s + step, m)
             _launch(state, rn, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e], _ALL)
         return
-    if cfg.gemv and x.is_cuda and _CH.ENABLED and _chained(state, rn, x, topk_ids, topk_weights, out):
+    if cfg.gemv and _CH.ENABLED and _chained(state, rn, x, topk_ids, topk_weights, out):
         return
     _launch(state, rn, x, topk_ids, topk_weights, out, _ALL)
 
 
 def _chained(state, rn, x, topk_ids, topk_weights, out) -> bool:
     """Launch GEMV runner ``rn``'s kernels for this call by its chain (``chain.py``: one C call);
-    False (nothing launched) where there is none: not built (kernels not yet compiled, no C module,
-    a kernel it cannot pass) or launch hooks to call (a profiler: triton's launcher calls them)."""
+    False (nothing launched) where there is none: not built (kernels not yet compiled, which under
+    the interpreter they never are; no C module; a kernel it cannot pass) or launch hooks to call (a
+    profiler: triton's launcher calls them)."""
     gp = state.plans
     ch = state.chains.get(rn.cfg)
     if ch is None or ch[0] != gp.arena.version:

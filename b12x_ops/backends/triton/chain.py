@@ -94,7 +94,20 @@ bad:
   return -1;
 }
 
-static int read_values(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t first, int64_t *vals, Py_ssize_t *nv) {
+/* A call's chain (args[0]) as words and its values (args[first:]) as int64s; -1 with a Python error. */
+static int call_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t first, const int64_t **b, Py_ssize_t *nw,
+                     int64_t *vals, Py_ssize_t *nv) {
+  if (nargs < first) {
+    PyErr_SetString(PyExc_TypeError, "b12x_ops chain: launch(chain, stream, *values) or pack(chain, *values)");
+    return -1;
+  }
+  PyObject *blob = args[0];
+  if (!PyBytes_Check(blob) || PyBytes_GET_SIZE(blob) % 8 != 0 || PyBytes_GET_SIZE(blob) < 8) {
+    PyErr_SetString(PyExc_TypeError, "b12x_ops chain: expected the chain's bytes");
+    return -1;
+  }
+  *b = (const int64_t *)PyBytes_AS_STRING(blob);
+  *nw = PyBytes_GET_SIZE(blob) / 8;
   *nv = nargs - first;
   if (*nv > MAXV) {
     PyErr_SetString(PyExc_ValueError, "b12x_ops chain: too many values");
@@ -107,30 +120,15 @@ static int read_values(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t first
   return 0;
 }
 
-static int chain_words(PyObject *blob, const int64_t **b, Py_ssize_t *nw) {
-  if (!PyBytes_Check(blob) || PyBytes_GET_SIZE(blob) % 8 != 0 || PyBytes_GET_SIZE(blob) < 8) {
-    PyErr_SetString(PyExc_TypeError, "b12x_ops chain: expected the chain's bytes");
-    return -1;
-  }
-  *b = (const int64_t *)PyBytes_AS_STRING(blob);
-  *nw = PyBytes_GET_SIZE(blob) / 8;
-  return 0;
-}
-
 /* launch(chain, stream, *values) -> bool: the chain's kernels launched on ``stream`` in order;
    False (nothing launched) where this thread has no current CUDA context. */
 static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   const int64_t *b;
   Py_ssize_t nw, nv;
   int64_t vals[MAXV];
-  if (nargs < 2) {
-    PyErr_SetString(PyExc_TypeError, "b12x_ops chain: launch(chain, stream, *values)");
-    return NULL;
-  }
-  if (chain_words(args[0], &b, &nw) < 0) return NULL;
+  if (call_args(args, nargs, 2, &b, &nw, vals, &nv) < 0) return NULL;
   unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
   if (PyErr_Occurred()) return NULL;
-  if (read_values(args, nargs, 2, vals, &nv) < 0) return NULL;
   if (load_driver() < 0) return NULL;
   CUcontext ctx = NULL;
   if (p_ctx(&ctx) != CUDA_SUCCESS || ctx == NULL) Py_RETURN_FALSE;
@@ -184,12 +182,7 @@ static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   const int64_t *b;
   Py_ssize_t nw, nv;
   int64_t vals[MAXV];
-  if (nargs < 1) {
-    PyErr_SetString(PyExc_TypeError, "b12x_ops chain: pack(chain, *values)");
-    return NULL;
-  }
-  if (chain_words(args[0], &b, &nw) < 0) return NULL;
-  if (read_values(args, nargs, 1, vals, &nv) < 0) return NULL;
+  if (call_args(args, nargs, 1, &b, &nw, vals, &nv) < 0) return NULL;
   PyObject *out = PyList_New(0);
   if (!out) return NULL;
   Py_ssize_t at = 1;
@@ -306,14 +299,16 @@ def kernel_words(ln, grid, args) -> list[int]:
     ``_Unsupported`` where triton's launcher would do more than pass parameters (scratch buffers,
     clusters, cooperative launch, a parameter type not handled here)."""
     ck = ln.compiled
-    if ck is None:
+    md, src = getattr(ck, "metadata", None), getattr(ck, "src", None)
+    if md is None or src is None:
         raise _Unsupported("not compiled")
-    md = ck.metadata
     if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)
             or getattr(md, "launch_cooperative_grid", False) or getattr(md, "tensordesc_meta", None)):
         raise _Unsupported("scratch, clusters or cooperative launch")
-    sig = ck.src.signature
+    sig = getattr(src, "signature", None)
     names = ln.fn.arg_names
+    if not isinstance(sig, dict):
+        raise _Unsupported("signature")
     full = tuple(args) + ln._tail
     if len(full) != len(names) or list(sig) != list(names):
         raise _Unsupported("signature")
