@@ -22,7 +22,7 @@ Options (``prepare_experts(..., backend="triton", **options)``):
 The handle keeps the MXFP4 codes in the layout of ``layout.py`` (made at prepare, in place of the
 checkpoint's: the same bytes but for K padded to a multiple of 64) and the scale bytes as they are.
 The per-call path (``run``) is four precompiled launches (two or three on the small-M GEMV path; see
-``kernels.py``) and no host sync; an eager GEMV call's launches go out by one C call (``chain.py``).
+``kernels.py``) and no host sync; a GEMV call's launches go out by one C call (``chain.py``).
 Under ``TRITON_INTERPRET=1`` the backend also runs on the CPU, with fp32 operands (the CPU
 interpreter gets bf16 ``tl.dot`` wrong), which is how CI tests the kernels' logic.
 """
@@ -82,7 +82,7 @@ class State:
     # (``_operands``) the handle's tensors and its arena's buffers by name, as tensors and as
     # addresses, made for the arena version it names
     operands: tuple = dataclasses.field(default=(-1, {}, {}), repr=False)
-    # (``_chained``) eager GEMV calls' chains (``chain.build``) by config: ``(arena version, chain or None)``
+    # (``_chained``) GEMV calls' chains (``chain.build``) by config: ``(arena version, chain or None)``
     chains: dict = dataclasses.field(default_factory=dict, repr=False)
 
 

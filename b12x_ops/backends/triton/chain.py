@@ -1,9 +1,10 @@
-"""One C call that launches an eager call's GEMV kernels (the small-M path's host cost).
+"""One C call that launches a GEMV call's kernels (the small-M path's host cost).
 
 At one to a few tokens the GPU runs a GEMV call's two or three kernels in 15-30 us, about what the
 host takes to issue them through triton's launcher: per launch a Python frame, triton's argument
 parsing (some 20-30 arguments a kernel) and ``cuLaunchKernelEx``. Eager calls there are paced by
-the host. A *chain* is the call's launches written down once per handle and plan as 64-bit words
+the host (a call being captured into a CUDA graph takes the same path, where it makes no
+difference). A *chain* is the call's launches written down once per handle and plan as 64-bit words
 (``build``): each kernel's function handle, block, shared memory, PDL flag and every kernel
 parameter, either fixed (the handle's and arena's addresses, the expert offset, the limit) or one
 of the call's own values times a factor (x's, the ids', the weights' and out's addresses, M, the
@@ -302,8 +303,9 @@ def kernel_words(ln, grid, args) -> list[int]:
     md, src = getattr(ck, "metadata", None), getattr(ck, "src", None)
     if md is None or src is None:
         raise _Unsupported("not compiled")
-    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)
-            or getattr(md, "launch_cooperative_grid", False) or getattr(md, "tensordesc_meta", None)):
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0) or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "tensordesc_meta", None)):
         raise _Unsupported("scratch, clusters or cooperative launch")
     sig = getattr(src, "signature", None)
     names = ln.fn.arg_names
