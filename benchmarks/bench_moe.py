@@ -317,7 +317,10 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         h0, x0, i0, w0, o0 = handles[0], xs[0], rt[0][1], rt[0][2], outs[0]
         eager, single, overhead = eager_and_graph(lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0), args.reps)
         # what an eager call launches: the GEMV path's one launch (kept at prepare where faster) or not
-        eager_fused = bool(h0._state.plans.runner_for(M, lambda: False).cfg.fused)
+        eager_rn = h0._state.plans.runner_for(M, lambda: False)
+        eager_fused = bool(eager_rn.cfg.fused)
+        # ... and whether its launches went out by one C call (backends/triton/chain.py), as the calls above did
+        eager_chained = bool((getattr(h0._state, "chains", {}).get(eager_rn.cfg) or (0, None))[1])
         # host cost of issuing one call: few enough calls that the launch queue never fills
         hosts = []
         for _ in range(5):
@@ -333,7 +336,8 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
                  bytes=nbytes, flops=flops, distinct_experts=distinct, rel_err_vs_ref=err,
                  pct_of_limit=100 * limit_s / ours, eager_us=eager * 1e6, host_us=host * 1e6,
                  single_graph_us=single * 1e6, eager_overhead_us=overhead * 1e6,
-                 tflops=flops / ours / 1e12, pct_bf16_peak=100 * flops / ours / peak, eager_fused=eager_fused)
+                 tflops=flops / ours / 1e12, pct_bf16_peak=100 * flops / ours / peak, eager_fused=eager_fused,
+                 eager_chained=eager_chained)
         if bf16:
             p["bf16_us"] = graph_time([(lambda i=i: bf16[i](xs[i], rt[i][1], rt[i][2])) for i in range(len(bf16))],
                                       args.reps) * 1e6
@@ -432,6 +436,10 @@ def write_markdown(res, path):
                   "faster there); every other eager call, and every graph, launches the stages apart."
                   if fused else "Eager calls launch the stages apart at every M (prepare timed the one-launch GEMV "
                   "no faster).", ""]
+        chained = [str(p["M"]) for p in g["points"] if p.get("eager_chained")]
+        if chained:
+            lines += [f"Eager calls at M = {', '.join(chained)} launch their kernels by one C call "
+                      "(`backends/triton/chain.py`); the others through triton's launcher, a launch at a time.", ""]
         if g.get("diagnosis"):
             lines += ["Per-stage times a layer (us; each stage alone, CUDA-graph replay over the layers), with grid "
                       "(programs), registers/thread and spills. bm: the blocked path's block rows; GEMV: "

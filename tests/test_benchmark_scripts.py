@@ -96,3 +96,24 @@ def test_fp8_gemm1_layout_and_decode_on_the_emulator(capsys, monkeypatch):
     monkeypatch.setattr(mod, "_T1_ADD", mod._T1_ADD + 0x08080808)  # (codes 4..7 one binade up)
     with pytest.raises(AssertionError):
         mod.check()
+
+
+def test_bench_markdown_says_which_eager_calls_were_chained(tmp_path, monkeypatch):
+    """The benchmark's table names the token counts whose eager calls launched by one C call
+    (``backends/triton/chain.py``), from each point's ``eager_chained``, and says nothing where none did."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+
+    def point(M, chained):
+        return dict(M=M, ours_us=10.0, limit_us=5.0, pct_of_limit=50.0, pct_bf16_peak=1.0, eager_us=11.0,
+                    eager_overhead_us=1.0, host_us=9.0, rel_err_vs_ref=None, eager_fused=False, eager_chained=chained)
+
+    geo = dict(name="tiny", E=4, K=64, N=32, top_k=2, limit=None)
+    res = dict(device="cpu", torch="t", triton="t", copy_bw=1e12, bf16_peak=1e14, command="bench",
+               geometries=[dict(geometry=geo, layers=2, points=[point(1, True), point(2, True), point(16, False)]),
+                           dict(geometry=dict(geo, name="other"), layers=2, points=[point(16, False)])])
+    path = tmp_path / "results.md"
+    B.write_markdown(res, str(path))
+    text = path.read_text()
+    assert text.count("launch their kernels by one C call") == 1
+    assert "Eager calls at M = 1, 2 launch their kernels by one C call" in text
