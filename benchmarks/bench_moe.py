@@ -320,7 +320,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         eager_rn = h0._state.plans.runner_for(M, lambda: False)
         eager_fused = bool(eager_rn.cfg.fused)
         # ... and whether its launches went out by one C call (backends/triton/chain.py), as the calls above did
-        eager_chained = bool((getattr(h0._state, "chains", {}).get(eager_rn.cfg) or (0, None))[1])
+        eager_chained = bool((getattr(h0._state, "chains", {}).get(id(eager_rn)) or (None, 0, None))[2])
         # host cost of issuing one call: few enough calls that the launch queue never fills
         hosts = []
         for _ in range(5):

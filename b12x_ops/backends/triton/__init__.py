@@ -82,7 +82,8 @@ class State:
     # (``_operands``) the handle's tensors and its arena's buffers by name, as tensors and as
     # addresses, made for the arena version it names
     operands: tuple = dataclasses.field(default=(-1, {}, {}), repr=False)
-    # (``_chained``) GEMV calls' chains (``chain.build``) by config: ``(arena version, chain or None)``
+    # (``_chain``) GEMV runners' chains for this handle (``chain.build``), by ``id(runner)``:
+    # ``(runner, arena version, chain or None)`` (the runner kept, so that its id stays its own)
     chains: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
@@ -138,6 +139,11 @@ def prepare(spec) -> State:
                 _warm(state, cap)
                 progress.step(f"{cap} tokens")
             torch.cuda.synchronize(g.device)
+    if _CH.ENABLED and not P.INTERPRET:  # (each GEMV plan's chain for this handle: compiled, warmed above)
+        for cap in spec.capacities:
+            for rn in (shared.runners[cap], shared.eager_runners.get(cap)):
+                if rn is not None and rn.cfg.gemv:
+                    _chain(state, rn)
     if frozen and not P.INTERPRET:
         for ln in shared.launches.values():
             ln.frozen = True
@@ -162,7 +168,6 @@ def _warm(state, cap):
     eager = gp.eager_runners.get(cap)
     if eager is None:
         run(state, x, ids, w, out)
-        run(state, x, ids, w, out)  # (kernels compiled by the first: this one builds a GEMV plan's chain)
         return
     # Both forms compiled and warmed; the eager form kept only where eager calls of it are faster
     # here: it saves a launch's host time, which pays only while the host, not the GPU, sets the
@@ -176,7 +181,8 @@ def _warm(state, cap):
 
 
 def _issue(state, rn, x, ids, w, out) -> None:
-    """One eager call of runner ``rn`` as ``run`` makes it: by its chain where it has one."""
+    """One call of runner ``rn`` (``run``'s, unless it goes in slot chunks; prepare's timing of the eager
+    forms): by its chain where it has one, else launch by launch."""
     if not (rn.cfg.gemv and _CH.ENABLED and _chained(state, rn, x, ids, w, out)):
         _launch(state, rn, x, ids, w, out, _ALL)
 
@@ -322,9 +328,7 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
             e = min(s + step, m)
             _launch(state, rn, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e], _ALL)
         return
-    if cfg.gemv and _CH.ENABLED and _chained(state, rn, x, topk_ids, topk_weights, out):
-        return
-    _launch(state, rn, x, topk_ids, topk_weights, out, _ALL)
+    _issue(state, rn, x, topk_ids, topk_weights, out)
 
 
 def _chained(state, rn, x, topk_ids, topk_weights, out) -> bool:
@@ -332,15 +336,8 @@ def _chained(state, rn, x, topk_ids, topk_weights, out) -> bool:
     False (nothing launched) where there is none: not built (kernels not yet compiled, which under
     the interpreter they never are; no C module; a kernel it cannot pass) or launch hooks to call (a
     profiler: triton's launcher calls them)."""
-    gp = state.plans
-    ch = state.chains.get(rn.cfg)
-    if ch is None or ch[0] != gp.arena.version:
-        blob = _build_chain(state, rn)
-        if blob is _NOT_YET:
-            return False
-        ch = state.chains[rn.cfg] = (gp.arena.version, blob)
-    blob = ch[1]
-    if blob is None:
+    blob = _chain(state, rn)
+    if blob is None or blob is _NOT_YET:
         return False
     P = _P
     k = P._RUNTIME_KNOBS
@@ -350,6 +347,19 @@ def _chained(state, rn, x, topk_ids, topk_weights, out) -> bool:
     return _CH_MOD.launch(blob, P._raw_stream(P._current_device()), x.data_ptr(), ids.data_ptr(), w.data_ptr(),
                           out.data_ptr(), x.shape[0], x.stride(0), si0, si1, sw0, sw1, w_kind, out.stride(0),
                           1 if x.dtype is _F16 else 0, 1 if out.dtype is _F16 else 0)
+
+
+def _chain(state, rn):
+    """GEMV runner ``rn``'s chain for ``state`` at the arena's current version: made at prepare, made
+    again only after a later prepare grew the arena (``_build_chain``)."""
+    ver = state.plans.arena.version
+    ch = state.chains.get(id(rn))
+    if ch is not None and ch[1] == ver:
+        return ch[2]
+    blob = _build_chain(state, rn)
+    if blob is not _NOT_YET:
+        state.chains[id(rn)] = (rn, ver, blob)
+    return blob
 
 
 def _build_chain(state, rn):

@@ -43,7 +43,7 @@ _SRC = r"""
 #include <Python.h>
 
 #define MAXV 32
-#define MAXP 48
+#define MAXP @MAX_PARAMS@
 
 typedef CUresult (*launch_t)(const CUlaunchConfig *, CUfunction, void **, void **);
 typedef CUresult (*ctx_t)(CUcontext *);
@@ -237,7 +237,8 @@ def module():
         from triton.backends.nvidia.driver import include_dirs
         from triton.runtime.build import compile_module_from_src
 
-        return compile_module_from_src(src=_SRC, name="b12x_ops_chain", include_dirs=list(include_dirs))
+        src = _SRC.replace("@MAX_PARAMS@", str(MAX_PARAMS))
+        return compile_module_from_src(src=src, name="b12x_ops_chain", include_dirs=list(include_dirs))
     except Exception as exc:  # noqa: BLE001 - any build failure leaves the launcher path
         _log.warning("b12x_ops: the chain launcher could not be built (%s: %s); eager calls go through "
                      "triton's launcher", type(exc).__name__, exc)
