@@ -33,6 +33,8 @@ GEOMETRIES = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--splits", nargs="*", default=None,
+                    help="split1,split2 pairs (default: 2,2 3,3 5,2*top_k as the GPU test)")
     ap.add_argument("--device", default="cuda", help="cpu: under TRITON_INTERPRET=1 (a check of the script)")
     ap.add_argument("--geometries", nargs="*", default=["dsv4-tp4", "gpt-oss-120b", "odd-ep"])
     args = ap.parse_args()
@@ -44,7 +46,8 @@ def main() -> None:
         h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, deterministic=True)
         st = h._state
         g = st.plans.geometry
-        for split1, split2 in ((2, 2), (3, 3), (5, 2 * g.top_k)):
+        pairs = [tuple(map(int, p.split(","))) for p in args.splits] if args.splits else [(2, 2), (3, 3), (5, 2 * g.top_k)]
+        for split1, split2 in pairs:
             for i, M in enumerate((1, 3, 4)):
                 cfg = dataclasses.replace(P.default_config(M, g, gemv=True), split1=split1, split2=split2)
                 st.plans.reserve(M, cfg)
