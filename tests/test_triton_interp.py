@@ -866,3 +866,76 @@ def test_interp_prepare_aligns_scale_bytes_given_at_an_odd_address():
     assert getattr(h0._state, "w13_scale").data_ptr() == layer.w13_scale.data_ptr()  # (aligned: no copy)
     x, ids, w = make_batch(layer, 5)
     assert torch.equal(b12x_ops.moe_w4a8(x, ids, w, h), b12x_ops.moe_w4a8(x, ids, w, h0))
+
+
+@inner
+def test_interp_eager_calls_go_straight_to_their_chain_until_the_plans_change(monkeypatch):
+    """A call whose launches a chain makes, captured or not, leaves its chain in the handle's fast path
+    (``State.fast``); the next call of that token count goes straight to it, with the values the first
+    call passed (the routing as ``_raw_routing``'s words, the fallback for a routing tensor whose last
+    dim is strided too). Triton launch hooks (a profiler) send it back through triton's launcher, and
+    a change of the shared plans (a buffer grown, a plan added) empties the fast path. The C call is
+    stubbed: no chain is built under the interpreter (``test_triton_chain.py`` checks the chain's bytes)."""
+    import types
+
+    import triton
+
+    from b12x_ops.backends import triton as T
+
+    layer = make_layer(E=6, K=64, N=32, top_k=3, seed=21)
+    h = layer.prepare(backend="triton", max_tokens=4, gemv=True)
+    st = h._state
+    gp = st.plans
+    gp.eager_runners.clear()  # (the one-launch eager form is not chained)
+    gp.changed()
+    calls = []
+    monkeypatch.setattr(T, "_CH_MOD", types.SimpleNamespace(launch=lambda blob, *v: calls.append((blob,) + v) or True))
+    monkeypatch.setattr(T, "_P", P)
+    monkeypatch.setattr(T, "_KNOBS", P._RUNTIME_KNOBS)
+    monkeypatch.setattr(P, "_raw_stream", lambda dev: 77)
+    monkeypatch.setattr(P, "_current_device", lambda: 0)
+    for M in (1, 2, 3):
+        st.chains[id(gp.runner_for(M))] = (gp.runner_for(M), gp.arena.version, f"chain {M}".encode())
+    routing = [(torch.int32, torch.float32, False), (torch.int64, torch.bfloat16, True),
+               (torch.int64, torch.float32, False), (torch.int32, torch.float16, True)]
+    for M in (1, 2, 3):
+        for id_dtype, w_dtype, strided in routing:
+            x, ids, w = make_batch(layer, M, seed=M, id_dtype=id_dtype, w_dtype=w_dtype, strided=strided)
+            out = torch.empty_like(x)
+            if M == 3 and not strided:  # (last dims strided: the words from a contiguous copy)
+                ids, w = ids.t().contiguous().t(), w.t().contiguous().t()
+            calls.clear()
+            launched = []
+            monkeypatch.setattr(T, "_launch", lambda *a: launched.append(a))
+            b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+            assert st.fast.get(M) == f"chain {M}".encode()
+            b12x_ops.moe_w4a8_out(x, ids, w, h, out)  # (by the fast path)
+            assert not launched and len(calls) == 2
+            i_w, (si0, si1), w_w, (sw0, sw1), kind = T._raw_routing(ids, w)
+            want = (f"chain {M}".encode(), 77, x.data_ptr(), None, None, out.data_ptr(), M, x.stride(0), si0, si1, sw0,
+                    sw1, kind, out.stride(0), 0, 0)
+            for got in calls:
+                assert got[:3] + got[5:] == want[:3] + want[5:], (M, id_dtype, w_dtype, strided)
+                assert got[3] == ids.data_ptr() or i_w is not ids  # (a contiguous copy's address is its own)
+                assert got[4] == w.data_ptr() or w_w is not w
+    # a launch hook: back through the launcher (and the chain left alone)
+    x, ids, w = make_batch(layer, 1, seed=9)
+    out = torch.empty_like(x)
+    calls.clear()
+    launched = []
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+    assert not calls and len(launched) == 1
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+    assert len(calls) == 1
+    # the plans change: the fast path is emptied, and refilled by the next call
+    assert sorted(st.fast) == [1, 2, 3]
+    big = dataclasses.replace(gp.configs[4], bn1=128)
+    gp.reserve(64, big)
+    assert st.fast == {}
+    st.chains[id(gp.runner_for(1))] = (gp.runner_for(1), gp.arena.version, b"chain 1")  # (made again for the new buffers)
+    b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+    assert sorted(st.fast) == [1]
+    layer.prepare(backend="triton", max_tokens=5, gemv=True)  # (a plan for 5 tokens added to the shared plans)
+    assert st.fast == {}

@@ -30,7 +30,8 @@ def child(tree: str, calls: int, data_ptr: bool) -> list[float]:
     from dispatch_overhead import measure_triton
 
     assert os.path.dirname(os.path.dirname(os.path.abspath(b12x_ops.__file__))) == os.path.abspath(tree)
-    return list(measure_triton(calls, data_ptr).values())  # (one token, then 32)
+    return list(measure_triton(calls, data_ptr).values())  # (one token, 32; where the tree has them, the GEMV's
+    # launches apart through the launcher and by their chain)
 
 
 def main() -> None:
@@ -45,20 +46,24 @@ def main() -> None:
         print(json.dumps(child(a.child, a.calls, a.data_ptr)))
         return
     trees = [t.split("=", 1) for t in a.trees]
-    best: dict[str, dict[int, float]] = {label: {} for label, _ in trees}
+    best: dict[str, dict[str, float]] = {label: {} for label, _ in trees}
     for _ in range(a.rounds):
         for label, tree in trees:
             cmd = [sys.executable, __file__, "--child", tree, "--calls", str(a.calls)] + (["--data-ptr"] if a.data_ptr else [])
             env = dict(os.environ, PYTHONPATH="")
             got = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout)
-            for m, us in zip((1, 32), got):
+            for m, us in zip(COLUMNS, got):
                 best[label][m] = min(best[label].get(m, float("inf")), us)
     print(f"us per call, best of {a.rounds} rounds (each the best of 5 x {a.calls} calls)"
           + (", the no-op launcher calling data_ptr()" if a.data_ptr else ""))
-    print("| tree | 1 token (GEMV, 1 launch) | 32 tokens (blocked, 4 launches) |")
-    print("|---|---|---|")
+    print("| tree | " + " | ".join(COLUMNS.values()) + " |")
+    print("|---" * (len(COLUMNS) + 1) + "|")
     for label, _ in trees:
-        print(f"| {label} | {best[label][1]:.2f} | {best[label][32]:.2f} |")
+        print(f"| {label} | " + " | ".join(f"{best[label][c]:.2f}" if c in best[label] else "-" for c in COLUMNS) + " |")
+
+
+COLUMNS = {"1": "1 token (GEMV, 1 launch)", "32": "32 tokens (blocked, 4 launches)",
+           "1/launcher": "1 token, GEMV launches apart, triton's launcher", "1/chain": "the same by their chain"}
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ import torch
 from . import chain as _CH
 
 NAME = "triton"
-_CH_MOD = _P = None  # (the chain's C module and the plan module, once a chain is built: ``_build_chain``)
+_CH_MOD = _P = _KNOBS = None  # (the chain's C module, the plan module and triton's runtime knobs, once a chain is
+# built: ``_build_chain``)
 _OPTIONS = ("tune", "cache_dir", "frozen", "gemv", "ptx")
 _SHARED: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
@@ -67,7 +68,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # (by identity: the plans keep their handles' states in a weak set)
 class State:
     plans: object  # plan.GeometryPlans, shared by the geometry's handles
     w13: torch.Tensor  # codes in the repacked layout (layout.py)
@@ -85,6 +86,9 @@ class State:
     # (``_chain``) GEMV runners' chains for this handle (``chain.build``), by ``id(runner)``:
     # ``(runner, arena version, chain or None)`` (the runner kept, so that its id stays its own)
     chains: dict = dataclasses.field(default_factory=dict, repr=False)
+    # (``run``) the chains of the calls that take one whatever the capture state, by token count:
+    # filled by such calls, emptied whenever the shared plans or their arena change (``GeometryPlans.changed``)
+    fast: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 def prepare(spec) -> State:
@@ -128,6 +132,7 @@ def prepare(spec) -> State:
         expert_offset=spec.expert_offset, limit=float(g.swiglu_limit or 0.0),
         checkpoint_bytes=sum(t.numel() * t.element_size() for t in (spec.w13, spec.w13_scale, spec.w2, spec.w2_scale)),
     )
+    shared.handles.add(state)  # (its fast path emptied whenever the plans change)
     missing = [c for c in spec.capacities if c not in shared.configs]
     if missing:
         chosen = _choose_configs(state, missing, tune, spec.options.get("cache_dir"))
@@ -178,13 +183,16 @@ def _warm(state, cap):
     two, one = (_eager_seconds(lambda rn=rn: _issue(state, rn, x, ids, w, out)) for rn in forms)
     if one >= two:
         del gp.eager_runners[cap]
+        gp.changed()
 
 
-def _issue(state, rn, x, ids, w, out) -> None:
+def _issue(state, rn, x, ids, w, out) -> bool:
     """One call of runner ``rn`` (``run``'s, unless it goes in slot chunks; prepare's timing of the eager
-    forms): by its chain where it has one, else launch by launch."""
-    if not (rn.cfg.gemv and _CH.ENABLED and _chained(state, rn, x, ids, w, out)):
-        _launch(state, rn, x, ids, w, out, _ALL)
+    forms): by its chain where it has one (True), else launch by launch."""
+    if rn.cfg.gemv and _CH.ENABLED and _chained(state, rn, x, ids, w, out):
+        return True
+    _launch(state, rn, x, ids, w, out, _ALL)
+    return False
 
 
 def _eager_seconds(fn, calls=20, reps=3) -> float:
@@ -317,6 +325,9 @@ def _tune_one(state, cap):
 
 def run(state, x, topk_ids, topk_weights, out) -> None:
     m = x.shape[0]
+    blob = state.fast.get(m)
+    if blob is not None and not _hooked() and _launch_chain(blob, x, topk_ids, topk_weights, out):
+        return  # (straight to the chain: the host time of a few-token eager call is most of its time)
     if m == 0:
         return
     gp = state.plans
@@ -328,7 +339,8 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
             e = min(s + step, m)
             _launch(state, rn, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e], _ALL)
         return
-    _issue(state, rn, x, topk_ids, topk_weights, out)
+    if _issue(state, rn, x, topk_ids, topk_weights, out) and gp.eager_runners.get(gp.cap_for(m)) is None:
+        state.fast[m] = state.chains[id(rn)][2]  # (the same launches captured or not: the next call goes straight)
 
 
 def _chained(state, rn, x, topk_ids, topk_weights, out) -> bool:
@@ -337,15 +349,36 @@ def _chained(state, rn, x, topk_ids, topk_weights, out) -> bool:
     the interpreter they never are; no C module; a kernel it cannot pass) or launch hooks to call (a
     profiler: triton's launcher calls them)."""
     blob = _chain(state, rn)
-    if blob is None or blob is _NOT_YET:
+    if blob is None or blob is _NOT_YET or _hooked():
         return False
+    return _launch_chain(blob, x, topk_ids, topk_weights, out)
+
+
+def _hooked() -> bool:
+    """Whether triton has launch hooks to call (a profiler), which its launcher calls and a chain would not."""
+    k = _KNOBS
+    return k is not None and (_P._active(k.launch_enter_hook) is not None
+                              or _P._active(k.launch_exit_hook) is not None)
+
+
+def _launch_chain(blob, x, ids, w, out) -> bool:
+    """The call's launches by chain ``blob``: its values (``chain.VALUES``) from the call's tensors (the
+    routing as ``_raw_routing``'s words, written out here for the usual case: every step is host time).
+    False (nothing launched) where the thread has no CUDA context yet (triton's launcher makes one)."""
+    si0, si1 = ids.stride()
+    sw0, sw1 = w.stride()
+    i64, wdt = ids.dtype is _I64, w.dtype
+    if (i64 and si1 != 1) or (wdt is _F32 and sw1 != 1):
+        ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(ids, w)
+    else:
+        if i64:
+            si0, si1 = 2 * si0, 2
+        if wdt is _F32:
+            sw0, sw1 = 2 * sw0, 2
+        w_kind = _W_KIND[wdt]
     P = _P
-    k = P._RUNTIME_KNOBS
-    if k is not None and (P._active(k.launch_enter_hook) is not None or P._active(k.launch_exit_hook) is not None):
-        return False
-    ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
     return _CH_MOD.launch(blob, P._raw_stream(P._current_device()), x.data_ptr(), ids.data_ptr(), w.data_ptr(),
-                          out.data_ptr(), x.shape[0], x.stride(0), si0, si1, sw0, sw1, w_kind, out.stride(0),
+                          out.data_ptr(), x.shape[0], x.stride()[0], si0, si1, sw0, sw1, w_kind, out.stride()[0],
                           1 if x.dtype is _F16 else 0, 1 if out.dtype is _F16 else 0)
 
 
@@ -365,10 +398,10 @@ def _chain(state, rn):
 def _build_chain(state, rn):
     """GEMV runner ``rn``'s chain for ``state`` (``chain.build``), None where it has none, ``_NOT_YET``
     while its kernels are not all compiled (the first, compiling calls go through ``_launch``)."""
-    global _CH_MOD, _P
+    global _CH_MOD, _P, _KNOBS
     from . import plan as P
 
-    _P = P
+    _P, _KNOBS = P, P._RUNTIME_KNOBS
     cfg = rn.cfg
     if cfg.fused:  # (one launch already: triton's launcher; its grid is not linear in M)
         return None
@@ -432,7 +465,7 @@ def _ops(ln, tens, addr):
     return addr if ln.compiled is not None else tens
 
 
-_I16, _I32, _F16 = torch.int16, torch.int32, torch.float16
+_I16, _I32, _I64, _F16, _F32 = torch.int16, torch.int32, torch.int64, torch.float16, torch.float32
 
 
 def _launch_all(state, cfg, x, topk_ids, topk_weights, out, stages=_ALL):

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -915,6 +916,9 @@ class GeometryPlans:
         self.runners: dict[int, Runner] = {}  # per planned count: what a call launches
         self.eager_runners: dict[int, Runner] = {}  # ... outside graph capture, where that differs
         self.arena = Arena(geometry.device, dry)
+        # the handles' states that use these plans: their eager fast paths (``State.fast``) are emptied
+        # whenever the plans or the arena change (``changed``)
+        self.handles = weakref.WeakSet()
         g = geometry
         self.e_pad = triton.next_power_of_2(g.num_experts + 1)
         self.act_dtype = torch.float32 if INTERPRET and not dry else torch.bfloat16
@@ -1101,6 +1105,13 @@ class GeometryPlans:
                              "and the splits of mma_config)")
 
     def reserve(self, cap: int, cfg: Config) -> None:
+        """The arena's buffers for calls of ``cap`` tokens by ``cfg``."""
+        version = self.arena.version
+        self._reserve(cap, cfg)
+        if self.arena.version != version:
+            self.changed()
+
+    def _reserve(self, cap: int, cfg: Config) -> None:
         g = self.geometry
         a = self.arena
         for name, dt in (("xq", self.act_dtype), ("lid", torch.int32), ("wts", torch.float32), ("sorted", torch.int32),
@@ -1176,6 +1187,12 @@ class GeometryPlans:
         if eager is not None:
             self.reserve(cap, eager)
             self.eager_runners[cap] = self.runner(eager, cap)
+        self.changed()
+
+    def changed(self) -> None:
+        """Empty the handles' fast paths (the plan of a token count or a buffer may have changed)."""
+        for state in self.handles:
+            state.fast.clear()
 
 
 # ------------------------------------------------------------------------------- tuning cache
