@@ -917,8 +917,8 @@ def _gemv2_program(
                                  stride_wm, stride_wk, expert_offset, w_kind, gvalid, offs_o, ovalid, n_lo, n_hi,
                                  total, K, N, TOPK, E, HAS_GS, BN, BK, DOT_DTYPE, PTX, FOLD, STAGES)
     else:
-        # (each slot's loop unpipelined: with several pipelined loops a program, one in every 300 or
-        # so H100 calls gave other bits, gemv1's output the same: ``benchmarks/experiments/split_race.py``)
+        # (each slot's loop unpipelined: with several pipelined loops in a split's program, about one
+        # H100 call in 300 gave other bits; none in 9000 unpipelined: ``results/split_race.md``)
         for jj in tl.static_range(TOPK):  # slot order: the sum is the same every run
             if jj // PER == run:
                 total = _gemv2_slot_term(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, gs_ptr, m64, jj, pid_n, stride_im,
