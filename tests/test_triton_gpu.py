@@ -106,10 +106,11 @@ def test_gpu_compiled_launches_reach_the_driver_either_way_with_the_same_bits(na
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])
 def test_gpu_eager_gemv_calls_launch_by_their_chain_with_the_launches_bits(name):
     """An eager call on the GEMV path (but its one-launch form) launches its kernels by one C call
-    (``chain.py``), not through triton's launcher (made to fail here), and writes the bits the
-    launches write (chains off) and a captured call's replay writes; int32/int64 ids, fp32/bf16/fp16
-    weights, strided routing, fp16 x, padding and foreign ids. (The one-launch eager form, where
-    prepare keeps it, is not chained: it goes through triton's launcher.)"""
+    (``chain.py``), not through triton's launcher (made to fail here), and leaves the chain in the
+    handle's fast path, by which the next call goes, with the same bits; they are the bits the
+    launches write (chains off, which the fast path obeys) and a captured call's replay writes;
+    int32/int64 ids, fp32/bf16/fp16 weights, strided routing, fp16 x, padding and foreign ids. (The
+    one-launch eager form, where prepare keeps it, is not chained: it goes through triton's launcher.)"""
     from b12x_ops.backends.triton import chain
 
     layer, h, ref = _layer(name)
@@ -140,15 +141,23 @@ def test_gpu_eager_gemv_calls_launch_by_their_chain_with_the_launches_bits(name)
                 ran += 1
                 continue
             chained = b12x_ops.moe_w4a8(x, ids, w, h)
+            assert state.fast.get(M) is state.chains[id(rn)][2] is not None, M  # (left in the fast path)
+            again = b12x_ops.moe_w4a8(x, ids, w, h)  # (straight to the chain)
         finally:
             for ln, d, r in saved:
                 ln._direct, ln._run = d, r
-        assert state.chains[id(rn)][2] is not None, M
+        assert torch.equal(again, chained), M
         chain.ENABLED = False
+        calls = []
         try:
+            for ln, _, r in saved:  # (chains off: each kernel through triton's launcher, the fast path too)
+                ln._direct, ln._run = None, (lambda *a, _r=r: (calls.append(1), _r(*a))[1])
             launched = b12x_ops.moe_w4a8(x, ids, w, h)
         finally:
             chain.ENABLED = True
+            for ln, d, r in saved:
+                ln._direct, ln._run = d, r
+        assert len(calls) == len(used), M
         assert torch.equal(chained, launched), M
         assert rel_l2(chained.float(), b12x_ops.moe_w4a8(x, ids, w, ref).float()) <= 1e-2, M
         out = torch.full_like(x, float("nan"))

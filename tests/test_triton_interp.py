@@ -873,8 +873,8 @@ def test_interp_eager_calls_go_straight_to_their_chain_until_the_plans_change(mo
     """A call whose launches a chain makes, captured or not, leaves its chain in the handle's fast path
     (``State.fast``); the next call of that token count goes straight to it, with the values the first
     call passed (the routing as ``_raw_routing``'s words, the fallback for a routing tensor whose last
-    dim is strided too). Triton launch hooks (a profiler) send it back through triton's launcher, and
-    a change of the shared plans (a buffer grown, a plan added) empties the fast path. The C call is
+    dim is strided too). Triton launch hooks (a profiler) and chains turned off send it back through
+    triton's launcher, and a change of the shared plans (a buffer grown, a plan added) empties the fast path. The C call is
     stubbed: no chain is built under the interpreter (``test_triton_chain.py`` checks the chain's bytes)."""
     import types
 
@@ -929,6 +929,11 @@ def test_interp_eager_calls_go_straight_to_their_chain_until_the_plans_change(mo
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
     b12x_ops.moe_w4a8_out(x, ids, w, h, out)
     assert len(calls) == 1
+    # chains turned off (B12X_OPS_TRITON_CHAIN=0 at import; tests and benchmarks at run time): the fast path too
+    monkeypatch.setattr(T._CH, "ENABLED", False)
+    b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+    assert len(calls) == 1 and len(launched) == 2
+    monkeypatch.setattr(T._CH, "ENABLED", True)
     # the plans change: the fast path is emptied, and refilled by the next call
     assert sorted(st.fast) == [1, 2, 3]
     big = dataclasses.replace(gp.configs[4], bn1=128)

@@ -326,7 +326,7 @@ def _tune_one(state, cap):
 def run(state, x, topk_ids, topk_weights, out) -> None:
     m = x.shape[0]
     blob = state.fast.get(m)
-    if blob is not None and not _hooked() and _launch_chain(blob, x, topk_ids, topk_weights, out):
+    if blob is not None and _CH.ENABLED and not _hooked() and _launch_chain(blob, x, topk_ids, topk_weights, out):
         return  # (straight to the chain: the host time of a few-token eager call is most of its time)
     if m == 0:
         return
