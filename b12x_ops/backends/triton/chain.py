@@ -249,8 +249,8 @@ def status() -> str:
     """How an eager GEMV call reaches the driver (``b12x-ops info``)."""
     if not ENABLED:
         return "through triton's launcher, a launch at a time (B12X_OPS_TRITON_CHAIN=0)"
-    return ("one C call launches the call's kernels (a chain, built at prepare; B12X_OPS_TRITON_CHAIN=0 "
-            "turns it off)")
+    return ("one C call launches the call's kernels (a chain, built at prepare; later calls of a token count "
+            "go straight to it; B12X_OPS_TRITON_CHAIN=0 turns it off)")
 
 
 class Var:
