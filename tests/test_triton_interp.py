@@ -944,3 +944,22 @@ def test_interp_eager_calls_go_straight_to_their_chain_until_the_plans_change(mo
     assert sorted(st.fast) == [1]
     layer.prepare(backend="triton", max_tokens=5, gemv=True)  # (a plan for 5 tokens added to the shared plans)
     assert st.fast == {}
+
+
+@inner
+def test_interp_split_race_experiment_runs(monkeypatch, capsys):
+    """``benchmarks/experiments/split_race.py`` (the GPU's run-to-run check of the GEMV splits) runs its
+    loop on the CPU under the interpreter, where every call gives the first call's bits."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "experiments", "split_race.py")
+    spec = importlib.util.spec_from_file_location("split_race", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["split_race", "--device", "cpu", "--reps", "2", "--geometries", "odd-ep",
+                                      "--splits", "2,2", "1,3"])
+    mod.main()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "differing calls" in ln]
+    assert len(lines) == 6, lines  # (two split pairs, three token counts)
+    assert all(ln.endswith("whole 0, act 0, out after stages 0, gemv2 on the first act 0") for ln in lines), lines
