@@ -22,12 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
 
 from _samples import make_batch, make_layer  # noqa: E402
-
-GEOMETRIES = {
-    "gpt-oss-120b": dict(E=128, K=2880, N=2880, top_k=4, limit=7.0),
-    "dsv4-tp4": dict(E=384, K=5120, N=576, top_k=6, limit=10.0, layout="w31"),
-    "odd-ep": dict(E=5, K=160, N=64, top_k=2, offset=7, limit=3.0, layout="w31", global_scales=True),
-}
+from test_triton_gpu import GEOMETRIES  # noqa: E402  (the GPU test's geometries, whose cases this repeats)
 
 
 def main() -> None:

@@ -363,19 +363,9 @@ def _hooked() -> bool:
 
 def _launch_chain(blob, x, ids, w, out) -> bool:
     """The call's launches by chain ``blob``: its values (``chain.VALUES``) from the call's tensors (the
-    routing as ``_raw_routing``'s words, written out here for the usual case: every step is host time).
-    False (nothing launched) where the thread has no CUDA context yet (triton's launcher makes one)."""
-    si0, si1 = ids.stride()
-    sw0, sw1 = w.stride()
-    i64, wdt = ids.dtype is _I64, w.dtype
-    if (i64 and si1 != 1) or (wdt is _F32 and sw1 != 1):
-        ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(ids, w)
-    else:
-        if i64:
-            si0, si1 = 2 * si0, 2
-        if wdt is _F32:
-            sw0, sw1 = 2 * sw0, 2
-        w_kind = _W_KIND[wdt]
+    routing as ``_raw_routing``'s words). False (nothing launched) where the thread has no CUDA context
+    yet (triton's launcher makes one)."""
+    ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(ids, w)
     P = _P
     return _CH_MOD.launch(blob, P._raw_stream(P._current_device()), x.data_ptr(), ids.data_ptr(), w.data_ptr(),
                           out.data_ptr(), x.shape[0], x.stride()[0], si0, si1, sw0, sw1, w_kind, out.stride()[0],
@@ -433,18 +423,19 @@ def _raw_routing(topk_ids, topk_weights):
     every dtype the op accepts (int32/int64 ids: the low word of an int64): ``(ids, (si0, si1), w,
     (sw0, sw1), w_kind)``, the strides in those words (``_as`` gives a launch the words' view)."""
     si0, si1 = topk_ids.stride()
-    if topk_ids.dtype == torch.int64:
+    if topk_ids.dtype is _I64:  # (dtypes are singletons: ``is`` is the cheap test; this runs every call)
         if si1 != 1:
             topk_ids = topk_ids.contiguous()
             si0, si1 = topk_ids.stride()
         si0, si1 = 2 * si0, 2 * si1
     sw0, sw1 = topk_weights.stride()
-    if topk_weights.dtype == torch.float32:
+    wdt = topk_weights.dtype
+    if wdt is _F32:
         if sw1 != 1:
             topk_weights = topk_weights.contiguous()
             sw0, sw1 = topk_weights.stride()
         sw0, sw1 = 2 * sw0, 2 * sw1
-    return topk_ids, (si0, si1), topk_weights, (sw0, sw1), _W_KIND[topk_weights.dtype]
+    return topk_ids, (si0, si1), topk_weights, (sw0, sw1), _W_KIND[wdt]
 
 
 def _args(ln, tens, addr, x, ids, w, out):
