@@ -99,16 +99,35 @@ def graph_time(calls, reps=20):
     return time_events(warm_graph(calls).replay, reps) / len(calls)
 
 
+def queued_time(call, loop):
+    """Seconds of GPU time a call of ``call`` when ``loop`` calls wait in the stream's queue behind a
+    sleep kernel, timed by events from the sleep's end to the last call's end: the host never starves
+    the GPU there, so this is the kernels' GPU time as eager calls launch them (the gaps between
+    separately launched kernels included, the host's time not)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # (tens of ms: longer than the host takes to issue the loop)
+    a.record()
+    for _ in range(loop):
+        call()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / loop
+
+
 def eager_and_graph(call, reps=10, rounds=5, loop=50):
-    """``(eager, graph, overhead)`` seconds a call of ``call``: eagerly (the wall time a call of a
-    synchronized loop of ``loop`` calls) and replayed from a CUDA graph (``time_events``, ``reps``
-    replays), timed in ``rounds`` alternating rounds, each the median over the rounds; ``overhead`` is
-    the median of the rounds' differences. Timed side by side, a drift of the GPU's clock between
-    the two (a few percent of a millisecond call) does not pass for host overhead."""
+    """``(eager, graph, overhead, host share, GPU share)`` seconds a call of ``call``: eagerly (the
+    wall time a call of a synchronized loop of ``loop`` calls), replayed from a CUDA graph
+    (``time_events``, ``reps`` replays) and queued (``queued_time``: the eagerly launched kernels' GPU
+    time), timed in ``rounds`` alternating rounds, each the median over the rounds. ``overhead`` is
+    the median of the rounds' eager - graph, split into the host's share (eager - queued: the host's
+    time above the kernels' GPU time) and the GPU's (queued - graph: what launching the kernels one by
+    one outside a graph costs the GPU). Timed side by side, a drift of the GPU's clock between the
+    measurements (a few percent of a millisecond call) does not pass for host overhead."""
     g = warm_graph([call])
     for _ in range(5):
         call()
-    eager, graph, diff = [], [], []
+    eager, graph, diff, host, gpu = [], [], [], [], []
     for _ in range(rounds):
         gt = time_events(g.replay, reps)
         torch.cuda.synchronize()
@@ -117,10 +136,13 @@ def eager_and_graph(call, reps=10, rounds=5, loop=50):
             call()
         torch.cuda.synchronize()
         et = (time.perf_counter() - t) / loop
+        qt = queued_time(call, loop)
         eager.append(et)
         graph.append(gt)
         diff.append(et - gt)
-    return tuple(sorted(v)[rounds // 2] for v in (eager, graph, diff))
+        host.append(et - qt)
+        gpu.append(qt - gt)
+    return tuple(sorted(v)[rounds // 2] for v in (eager, graph, diff, host, gpu))
 
 
 def random_layer(E, K, N, device, gen_seed):
@@ -315,7 +337,8 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         # eager: wall time per call of a synchronized loop against one layer's graph, side by side
         # (``eager_and_graph``), and host time to issue one call
         h0, x0, i0, w0, o0 = handles[0], xs[0], rt[0][1], rt[0][2], outs[0]
-        eager, single, overhead = eager_and_graph(lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0), args.reps)
+        eager, single, overhead, host_share, gpu_share = eager_and_graph(
+            lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0), args.reps)
         # what an eager call launches: the GEMV path's one launch (kept at prepare where faster) or not
         eager_rn = h0._state.plans.runner_for(M, lambda: False)
         eager_fused = bool(eager_rn.cfg.fused)
@@ -336,6 +359,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
                  bytes=nbytes, flops=flops, distinct_experts=distinct, rel_err_vs_ref=err,
                  pct_of_limit=100 * limit_s / ours, eager_us=eager * 1e6, host_us=host * 1e6,
                  single_graph_us=single * 1e6, eager_overhead_us=overhead * 1e6,
+                 eager_host_share_us=host_share * 1e6, eager_gpu_share_us=gpu_share * 1e6,
                  tflops=flops / ours / 1e12, pct_bf16_peak=100 * flops / ours / peak, eager_fused=eager_fused,
                  eager_chained=eager_chained)
         if bf16:
@@ -406,13 +430,25 @@ def diagnose(handles, args, E, K, top_k, log):
     return out
 
 
+def _overhead_cell(p) -> str:
+    """The eager overhead and, where measured, its host and GPU shares (medians each, so they need not
+    add up exactly)."""
+    cell = f"{p['eager_overhead_us']:.1f}"
+    if p.get("eager_host_share_us") is not None:
+        cell += f" ({p['eager_host_share_us']:.1f} + {p['eager_gpu_share_us']:.1f})"
+    return cell
+
+
 def write_markdown(res, path):
     lines = [f"# W4A8 MoE benchmark ({res['device']}, torch {res['torch']}, triton {res['triton']})", "",
              f"Measured copy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['bf16_peak'] / 1e12:.0f} "
              f"TFLOP/s. Times are per layer, CUDA-graph replay over {res['geometries'][0]['layers']} layers, in us. "
              "limit = max(bytes / bandwidth, FLOPs / bf16 peak). eager: the wall time a call of a synchronized "
              "loop of calls on one layer; eager overhead: its median difference to that layer's graph replay, the "
-             "two timed in alternating rounds; host/call: the host's time to issue a call. Command: `"
+             "two timed in alternating rounds, split into the host's share (eager minus the GPU time of the same "
+             "calls queued behind a sleep kernel, so that the host never starves the GPU: the host's time above the "
+             "kernels' GPU time) and the GPU's (that queued time minus graph replay: the gaps between separately "
+             "launched kernels); host/call: the host's time to issue a call. Command: `"
              + res["command"] + "`", ""]
     for g in res["geometries"]:
         geo = g["geometry"]
@@ -421,7 +457,8 @@ def write_markdown(res, path):
         if g.get("peer_error"):
             lines += [f"triton_kernels: {g['peer_error']}", ""]
         lines += ["| M | ours | limit | % of limit | bf16 | triton_kernels | ours vs tk | % bf16 peak | eager | "
-                  "eager overhead | host/call | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "eager overhead (host + GPU) | host/call | rel err |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in g["points"]:
             tk = p.get("triton_kernels_us")
             tk_s = "" if tk is None else f"{tk:.1f}"
@@ -430,7 +467,7 @@ def write_markdown(res, path):
             lines.append(
                 f"| {p['M']} | {p['ours_us']:.1f} | {p['limit_us']:.1f} | {p['pct_of_limit']:.0f}% | "
                 f"{p.get('bf16_us', float('nan')):.1f} | {tk_s} | {ratio} | {p['pct_bf16_peak']:.0f}% | "
-                f"{p['eager_us']:.1f} | {p['eager_overhead_us']:.1f} | {p['host_us']:.1f} | {err} |")
+                f"{p['eager_us']:.1f} | {_overhead_cell(p)} | {p['host_us']:.1f} | {err} |")
         fused = [str(p["M"]) for p in g["points"] if p.get("eager_fused")]
         lines += ["", f"Eager calls launch the GEMV path as one kernel at M = {', '.join(fused)} (prepare timed it "
                   "faster there); every other eager call, and every graph, launches the stages apart."

@@ -117,3 +117,22 @@ def test_bench_markdown_says_which_eager_calls_were_chained(tmp_path, monkeypatc
     text = path.read_text()
     assert text.count("launch their kernels by one C call") == 1
     assert "Eager calls at M = 1, 2 launch their kernels by one C call" in text
+
+
+def test_bench_markdown_splits_eager_overhead_into_host_and_gpu_shares(tmp_path, monkeypatch):
+    """The eager overhead cell gives the host's and the GPU's shares where the point has them
+    (``bench_moe.eager_and_graph``), and the overhead alone for points made before they were measured."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+
+    base = dict(ours_us=10.0, limit_us=5.0, pct_of_limit=50.0, pct_bf16_peak=1.0, eager_us=11.0, eager_overhead_us=1.5,
+                host_us=9.0, rel_err_vs_ref=None, eager_fused=False, eager_chained=False)
+    geo = dict(name="tiny", E=4, K=64, N=32, top_k=2, limit=None)
+    pts = [dict(base, M=1, eager_host_share_us=0.25, eager_gpu_share_us=1.25), dict(base, M=2)]
+    res = dict(device="cpu", torch="t", triton="t", copy_bw=1e12, bf16_peak=1e14, command="bench",
+               geometries=[dict(geometry=geo, layers=2, points=pts)])
+    path = tmp_path / "results.md"
+    B.write_markdown(res, str(path))
+    rows = [ln for ln in path.read_text().splitlines() if ln.startswith("| 1 |") or ln.startswith("| 2 |")]
+    assert rows[0].split(" | ")[9] == "1.5 (0.2 + 1.2)" and rows[1].split(" | ")[9] == "1.5", rows
+    assert "eager overhead (host + GPU)" in path.read_text()

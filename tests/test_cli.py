@@ -87,6 +87,9 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
     # half tiles for part-empty blocks: on by default (from 64-row blocks), off when asked
     half = r"^triton half tiles for part-empty blocks: (.*)$"
     assert _field(info, half).group(1).startswith("on: in plans of 64-row blocks or more, a block holding at most half")
+    assert "from 64-row blocks one holding at most a quarter the tile of a quarter" in _field(info, half).group(1)
+    monkeypatch.setenv("B12X_OPS_TRITON_QUARTER", "0")
+    assert "; quarter tiles off (" in _field(_cli("info", "--device", "cpu").stdout, half).group(1)
     monkeypatch.setenv("B12X_OPS_TRITON_HALF", "0")
     assert _field(_cli("info", "--device", "cpu").stdout, half).group(1) == "off (B12X_OPS_TRITON_HALF=0)"
     # where GEMM2's accumulator is zeroed: the prologue by default, the Gluon GEMM1 when asked, and a

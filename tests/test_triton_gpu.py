@@ -695,9 +695,10 @@ def test_gpu_gluon_gemm1_zeroes_the_accumulator(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])
 def test_gpu_half_tiles_write_what_full_tiles_write(name, monkeypatch):
-    """A block of at most half its rows runs the half tile (``plan.half_tiles``), in the tl.dot and
-    the Gluon GEMMs (sm_90): the activations and per-slot rows are the full tile's, byte for byte, at
-    32-, 64- and 128-row blocks, with blocks on both sides of half."""
+    """A block of at most half its rows runs the half tile (``plan.half_tiles``), and from 64-row blocks
+    one of at most a quarter the quarter tile (``plan.quarter_tiles``), in the tl.dot and the Gluon GEMMs
+    (sm_90): the activations and per-slot rows are the full tile's, byte for byte, at 32-, 64- and
+    128-row blocks, with blocks on both sides of half and of a quarter."""
     import dataclasses
 
     from b12x_ops.backends.triton import _launch_all
@@ -712,29 +713,35 @@ def test_gpu_half_tiles_write_what_full_tiles_write(name, monkeypatch):
     lo, hi = layer.offset, layer.offset + layer.E
     for bm in (32, 64, 128):
         # the slots on as few of the experts as give about 1.25 blocks an expert: one full block and a
-        # part-empty one each, so blocks on both sides of half
+        # part-empty one each, so blocks on both sides of half and of a quarter
         hot = max(1, min(layer.E, int((ids0 >= lo).logical_and(ids0 < hi).sum()) * 4 // (5 * bm)))
         ids = torch.where((ids0 >= lo) & (ids0 < hi), lo + (ids0 - lo) % hot, ids0)
         base = dataclasses.replace(P.default_config(700, gp.geometry, gemv=False), bm=bm, atomic=False)
         for cfg in dict.fromkeys((base, gp.with_gluon(base))):  # (tl.dot, then the Gluon forms on sm_90)
             written = {}
-            # one routing pass for both (with several routing programs the order of a block's rows
+            # one routing pass for all (with several routing programs the order of a block's rows
             # depends on their atomics), then each setting's GEMMs over buffers of sevens
             gp.reserve(700, cfg)
             _launch_all(st, cfg, x, ids, w, torch.empty_like(x), stages=("prologue",))
-            for half in (True, False):
-                monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1" if half else "0")
+            for tail, half, quarter in ((2, "1", "1"), (1, "1", "0"), (0, "0", "1")):
+                monkeypatch.setenv("B12X_OPS_TRITON_HALF", half)
+                monkeypatch.setenv("B12X_OPS_TRITON_QUARTER", quarter)
                 gp.reserve(700, cfg)
+                assert gp.runner(cfg).gemm1.constexprs["HALF"] == (min(tail, 1) if bm < P.QUARTER_MIN_BM else tail)
                 out = torch.empty_like(x)
                 a = gp.arena.buffers
                 a["act"].fill_(7)
                 a["slots"].fill_(7)
                 _launch_all(st, cfg, x, ids, w, out, stages=("gemm1", "gemm2", "finalize"))
-                written[half] = [t.clone().view(torch.uint8) for t in (out, a["act"], a["slots"])]
+                written[tail] = [t.clone().view(torch.uint8) for t in (out, a["act"], a["slots"])]
             rows = gp.arena.buffers["blk_rows"][:K_.num_blocks(ids.numel(), layer.E, bm)]
             assert ((rows > 0) & (rows <= bm // 2)).any() and (rows > bm // 2).any(), (name, bm)
-            for what, got, want in zip(("out", "act", "slots"), written[True], written[False]):
-                assert torch.equal(got, want), (name, bm, cfg.gluon, cfg.gluon2, what)
+            if bm >= P.QUARTER_MIN_BM:
+                assert ((rows > 0) & (rows <= bm // 4)).any() and ((rows > bm // 4) & (rows <= bm // 2)).any(), \
+                    (name, bm, rows.tolist())
+            for tail in (2, 1):
+                for what, got, want in zip(("out", "act", "slots"), written[tail], written[0]):
+                    assert torch.equal(got, want), (name, bm, cfg.gluon, cfg.gluon2, tail, what)
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "dsv4-tp4", "odd-ep"])

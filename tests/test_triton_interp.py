@@ -524,9 +524,11 @@ def test_interp_atomic_and_chunked_paths(deterministic, gemv):
 @inner
 @pytest.mark.parametrize("bm", [32, 64])
 def test_interp_half_tiles_write_what_full_tiles_write(bm, monkeypatch):
-    """A block of at most half its rows runs the tl.dot GEMMs' half tile (``plan.half_tiles``): the
+    """A block of at most half its rows runs the tl.dot GEMMs' half tile (``plan.half_tiles``), and
+    from 64-row blocks one of at most a quarter the quarter tile (``plan.quarter_tiles``): the
     activations and per-slot rows are the full tile's, bit for bit, and the layer matches the
-    reference. The routing gives blocks on both sides of half (experts of 10, 40, 50 and 20 rows)."""
+    reference. The routing gives blocks on both sides of half and of a quarter (experts of 10, 40,
+    50 and 20 rows)."""
     from b12x_ops.backends.triton import _launch_all
     layer = make_layer(E=4, K=64, N=32, top_k=2, seed=5, limit=7.0)
     M = 60
@@ -538,23 +540,29 @@ def test_interp_half_tiles_write_what_full_tiles_write(bm, monkeypatch):
     cfg = dataclasses.replace(P.default_config(M, gp.geometry, gemv=False), bm=bm, atomic=False)
     written = {}
     monkeypatch.setattr(P, "HALF_MIN_BM", 32)  # (the kernels' half path from 32-row blocks, the default's 64)
-    for half in (True, False):
-        monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1" if half else "0")
-        assert P.half_tiles(bm) == half
+    # (tail: 2 quarter and half tiles, 1 half tiles only, 0 the full tile always; the quarter tile of
+    # 32-row blocks would be 8 rows, below tl.dot's 16, so QUARTER_MIN_BM = 64 leaves them at 1)
+    for tail, half, quarter in ((2, "1", "1"), (1, "1", "0"), (0, "0", "1")):
+        monkeypatch.setenv("B12X_OPS_TRITON_HALF", half)
+        monkeypatch.setenv("B12X_OPS_TRITON_QUARTER", quarter)
+        want_tail = min(tail, 1) if bm < P.QUARTER_MIN_BM else tail
+        assert P.tail_tiles(bm) == want_tail and P.half_tiles(bm) == (tail > 0)
         gp.reserve(M, cfg)
         rn = gp.runner(cfg)
-        assert rn.gemm1.constexprs["HALF"] == half and rn.gemm2.constexprs["HALF"] == half
+        assert rn.gemm1.constexprs["HALF"] == want_tail and rn.gemm2.constexprs["HALF"] == want_tail
         out = torch.empty_like(x)
         _launch_all(st, cfg, x, ids, w, out)
         a = gp.arena.buffers
-        written[half] = (out.clone(), a["act"].clone(), a["slots"].clone())
+        written[tail] = (out.clone(), a["act"].clone(), a["slots"].clone())
     rows = gp.arena.buffers["blk_rows"][:K_.num_blocks(ids.numel(), layer.E, bm)]
     assert ((rows > 0) & (rows <= bm // 2)).any() and (rows > bm // 2).any()
-    for name, got, want in zip(("out", "act", "slots"), written[True], written[False]):
-        # (as bytes: the buffers' rows no call writes hold whatever was there, NaN patterns included)
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert ((rows > 0) & (rows <= bm // 4)).any() and ((rows > bm // 4) & (rows <= bm // 2)).any()
+    for tail in (2, 1):
+        for name, got, want in zip(("out", "act", "slots"), written[tail], written[0]):
+            # (as bytes: the buffers' rows no call writes hold whatever was there, NaN patterns included)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (tail, name)
     ref = b12x_ops.moe_w4a8(x, ids, w, layer.prepare(backend="reference"))
-    assert rel_l2(written[True][0], ref) <= 1e-2
+    assert rel_l2(written[2][0], ref) <= 1e-2
 
 
 @inner
@@ -826,7 +834,8 @@ def test_interp_experiments_run(script, argv, monkeypatch, capsys):
                                                                                                  layers, "cpu"))
     monkeypatch.setattr(B, "graph_time", one_run)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1")  # (half_tiles.py sets it)
+    monkeypatch.setenv("B12X_OPS_TRITON_HALF", "1")  # (half_tiles.py sets it and B12X_OPS_TRITON_QUARTER)
+    monkeypatch.setenv("B12X_OPS_TRITON_QUARTER", "1")
     path = os.path.join(root, "benchmarks", "experiments", script + ".py")
     spec = importlib.util.spec_from_file_location(script, path)
     mod = importlib.util.module_from_spec(spec)

@@ -97,6 +97,19 @@ if HAS_GLUON:
                     x_l=gl.BlockedLayout([1, 8], [4, 8], [nw, 1], [1, 0]),
                     mma_h=mma_h, a_l_h=gl.DotOperandLayout(operand_index=0, parent=mma_h, k_width=2))
 
+    @gluon.constexpr_function
+    def _mma_of(mma, rows):
+        """``mma`` (the full tile's accumulator layout) for a tile of ``rows`` block rows: the quarter
+        tile's (``HALF`` 2), built where it is used so that the kernels' layout arguments stay those of
+        ``layouts``."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=list(mma.warps_per_cta),
+                                         instr_shape=[16, max(rows, 8), 16])
+
+    @gluon.constexpr_function
+    def _operand_of(mma):
+        """The wgmma's register operand layout of accumulator layout ``mma`` (``layouts``' ``a_l``)."""
+        return gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+
     @gluon.jit
     def _split_order(acc, R: gl.constexpr, BM: gl.constexpr):
         """The ``[R, BM]`` tile with each 32 rows in the split layout's order (``kernels.split_col``:
@@ -390,7 +403,8 @@ if HAS_GLUON:
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         or BN / 16 warps (BN = 64 or 128: the first half of the 16-row groups the up rows, the rest the gate rows),
         an even STAGES >= 4 (the copies run STAGES - 2 steps ahead); its layouts from ``layouts(2 BN, BM, warps)``.
-        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s).
+        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2 (``kernels.gemm1_kernel``'s), and with
+        ``HALF`` 2 one of at most BM / 4 rows the tile of BM / 4.
         ``ZERO_ACC`` 1 or 2: every program zeroes its ``zrows`` rows of GEMM2's fp32 accumulator
         ``acc`` (``[M, K]``) first (1) or last (2), in the prologue's place: fire-and-forget stores
         beside a compute-bound kernel instead of the prologue's largest write."""
@@ -403,7 +417,11 @@ if HAS_GLUON:
             return
         nrow = gl.load(blk_rows_ptr + pid_m)
         if HALF:
-            if nrow <= BM // 2:
+            if HALF >= 2 and nrow <= BM // 4:
+                _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
+                             UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 4, BN, BK, STAGES, FOLD, _mma_of(mma, BM // 4),
+                             _operand_of(_mma_of(mma, BM // 4)), code_l, p7, s5_l, x_l)
+            elif nrow <= BM // 2:
                 _gemm1_block(pid_m, pid_n, e, nrow, xq_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K, N, TOPK,
                              UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 2, BN, BK, STAGES, FOLD, mma_h, a_l_h, code_l, p7,
                              s5_l, x_l)
@@ -501,13 +519,18 @@ if HAS_GLUON:
         """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 or BN / 32 warps
         (BN = 128 or 256: a warp 16 or 32 of the W2 rows), an even STAGES >= 4; its layouts from
         ``layouts(BN, BM, warps)``.
-        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
+        ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2, and with ``HALF`` 2 one of at most
+        BM / 4 rows the tile of BM / 4."""
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
         if e < 0:
             return
         nrow = gl.load(blk_rows_ptr + pid_m)
         if HALF:
-            if nrow <= BM // 2:
+            if HALF >= 2 and nrow <= BM // 4:
+                _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
+                             TOPK, HAS_GS, ATOMIC, BM, BM // 4, BN, BK, STAGES, FOLD, _mma_of(mma, BM // 4),
+                             _operand_of(_mma_of(mma, BM // 4)), code_l, p7, s5_l, x_l)
+            elif nrow <= BM // 2:
                 _gemm2_block(pid_m, pid_n, e, nrow, a_ptr, sorted_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K, N,
                              TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, STAGES, FOLD, mma_h, a_l_h, code_l, p7, s5_l,
                              x_l)

@@ -534,13 +534,18 @@ def gemm1_kernel(
     block's rows, ``[BM, BN]`` into ``a`` (split layout). ``PTX`` decodes with inline PTX (``FOLD``:
     in its one-fma form, for scale bytes up to 128). ``HALF``: a block of at most BM / 2 rows runs
     the tile of BM / 2: half the MMA work and activation loads for an expert's part-empty last block
-    (the decode of the weights is the same either way)."""
+    (the decode of the weights is the same either way); with ``HALF`` 2 a block of at most BM / 4 rows
+    runs the tile of BM / 4 (``plan.tail_tiles``)."""
     pdl_start(PDL)
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
     if e < 0:
         return
     if HALF:
-        if tl.load(blk_rows_ptr + pid_m) <= BM // 2:
+        nrow = tl.load(blk_rows_ptr + pid_m)
+        if HALF >= 2 and nrow <= BM // 4:
+            _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K,
+                         N, TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 4, BN, BK, DOT_DTYPE, PTX, FOLD)
+        elif nrow <= BM // 2:
             _gemm1_block(pid_m, pid_n, e, xq_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, a_ptr, limit, K,
                          N, TOPK, UP_FIRST, HAS_LIMIT, HAS_GS, BM, BM // 2, BN, BK, DOT_DTYPE, PTX, FOLD)
         else:
@@ -606,13 +611,18 @@ def gemm2_kernel(
     """Program (expert block, tile of BN outputs): ``wts * dq8(a) @ W2[e]^T`` for the block's rows, a
     ``[BN outputs, BM rows]`` tile reduced over N in BK steps, added into the fp32 ``[M, K]``
     accumulator (ATOMIC) or stored in the slots' rows of ``[M * TOPK, K]`` (deterministic).
-    ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2."""
+    ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2, and with ``HALF`` 2 one of at most
+    BM / 4 rows the tile of BM / 4."""
     pdl_start(PDL)
     pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
     if e < 0:
         return
     if HALF:
-        if tl.load(blk_rows_ptr + pid_m) <= BM // 2:
+        nrow = tl.load(blk_rows_ptr + pid_m)
+        if HALF >= 2 and nrow <= BM // 4:
+            _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
+                         N, TOPK, HAS_GS, ATOMIC, BM, BM // 4, BN, BK, DOT_DTYPE, PTX, FOLD)
+        elif nrow <= BM // 2:
             _gemm2_block(pid_m, pid_n, e, a_ptr, sorted_ptr, blk_rows_ptr, w_ptr, s_ptr, gs_ptr, wts_ptr, dst_ptr, K,
                          N, TOPK, HAS_GS, ATOMIC, BM, BM // 2, BN, BK, DOT_DTYPE, PTX, FOLD)
         else:

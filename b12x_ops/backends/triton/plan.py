@@ -292,6 +292,24 @@ def half_tiles(bm: int) -> bool:
     return bm >= HALF_MIN_BM and os.environ.get("B12X_OPS_TRITON_HALF", "1") == "1"
 
 
+# ... and where they take half tiles, a block of at most a quarter of its rows runs the tile of a
+# quarter (``HALF`` 2), from QUARTER_MIN_BM-row blocks on. An expert's last block is often nearly empty:
+# at 8192 tokens of DSv4 (128 rows an expert on average) about half the experts spill a few rows into a
+# second 128-row block. B12X_OPS_TRITON_QUARTER=0 turns it off.
+QUARTER_MIN_BM = 64
+
+
+def quarter_tiles(bm: int) -> bool:
+    """Whether the GEMMs of ``bm``-row blocks also take the quarter tile for blocks a quarter full."""
+    return half_tiles(bm) and bm >= QUARTER_MIN_BM and os.environ.get("B12X_OPS_TRITON_QUARTER", "1") == "1"
+
+
+def tail_tiles(bm: int) -> int:
+    """The blocked GEMMs' ``HALF`` constexpr for ``bm``-row blocks: 0 the full tile always, 1 the half
+    tile for blocks at most half full, 2 also the quarter tile for blocks at most a quarter full."""
+    return 2 if quarter_tiles(bm) else int(half_tiles(bm))
+
+
 # Atomic plans with the Gluon GEMM1 may zero GEMM2's fp32 accumulator there (every GEMM1 program its
 # share of rows, 16-byte stores) instead of in the prologue's quantizing programs, where the zeros
 # are half the bytes (``gluon_kernels.gemm1_gluon_kernel``'s ``ZERO_ACC``).
@@ -342,10 +360,13 @@ def acc_zero_status() -> str:
 
 def half_tiles_status() -> str:
     """Whether the GEMMs take half tiles, and from which block size (``b12x-ops info``)."""
-    if half_tiles(HALF_MIN_BM):
-        return (f"on: in plans of {HALF_MIN_BM}-row blocks or more, a block holding at most half its rows runs the tile "
-                "of half the rows (B12X_OPS_TRITON_HALF=0 turns it off)")
-    return "off (B12X_OPS_TRITON_HALF=0)"
+    if not half_tiles(HALF_MIN_BM):
+        return "off (B12X_OPS_TRITON_HALF=0)"
+    quarter = quarter_tiles(max(HALF_MIN_BM, QUARTER_MIN_BM))
+    return (f"on: in plans of {HALF_MIN_BM}-row blocks or more, a block holding at most half its rows runs the tile "
+            "of half the rows" + (f", and from {max(HALF_MIN_BM, QUARTER_MIN_BM)}-row blocks one holding at most a "
+                                  "quarter the tile of a quarter" if quarter else "; quarter tiles off")
+            + " (B12X_OPS_TRITON_HALF=0, B12X_OPS_TRITON_QUARTER=0 turn them off)")
 
 
 # The wide tiles of 16-row blocks (one warpgroup a program, ``results/sweep_gemm2_wide.md``):
@@ -1004,7 +1025,7 @@ class GeometryPlans:
         else:
             key = (kind, cfg.atomic)
         blocked_gemm = kind in ("gemm1", "gemm2") and not cfg.gemv
-        half = blocked_gemm and half_tiles(cfg.bm)  # (the blocked GEMMs' HALF, in their key too)
+        half = tail_tiles(cfg.bm) if blocked_gemm else 0  # (the blocked GEMMs' HALF, in their key too)
         if blocked_gemm:
             key += (half,)
         hit = self.launches.get(key)
@@ -1205,7 +1226,8 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
                       g.has_global_scales, g.deterministic, dev, triton.__version__, 24, gemv, ptx, gluon,
-                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0])
+                      HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0,
+                      QUARTER_MIN_BM if quarter_tiles(max(HALF_MIN_BM, QUARTER_MIN_BM)) else 0])
     # (the version: 24 the Gluon GEMMs' epilogues write 16 bytes a store or atomic (whole calls'
     # timings change); 23 the prologue's placement spread over placing programs (whole calls' timings
     # change); 22 long reductions' block sizes by the regimes, so their candidates too; 21 the
