@@ -158,6 +158,38 @@ def test_stage_kernels_wait_for_the_previous_launch_first_under_pdl(offline, pdl
                      "gemm2_kernel", "finalize_kernel"}
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gluon_gemms_wait_for_the_previous_launch_first_under_pdl(offline, pdl):
+    """The Gluon GEMMs of the blocked path (sm_90, 64- and 128-row plans), as programmatic dependent
+    launches, wait for the previous kernel before their first memory access, as every stage kernel
+    does (they once launched early without waiting, and read the prologue's routing before it was
+    written); without PDL neither instruction is there."""
+    import re
+
+    from b12x_ops.backends.triton import gluon_kernels as GK
+    from b12x_ops.backends.triton import plan as P
+
+    if not GK.HAS_GLUON:
+        pytest.skip("this triton has no Gluon with Hopper's wgmma")
+    g = offline._geometry(GEOMETRIES["qwen3-30b-a3b"])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True, pdl=pdl)
+    gp.ptx = gp.fold = True
+    gp.gluon = True
+    names = set()
+    for M in (512, 8192):
+        cfg = gp.with_gluon(P.default_config(M, g), M)
+        for ln in gp.stages(cfg, M)[1:3]:
+            ck = offline.compile_launch(ln, 90)
+            ptx = ck.asm["ptx"]
+            names.add(ck.metadata.name)
+            assert bool(ck.metadata.launch_pdl) == pdl and ln.constexprs["PDL"] == pdl
+            assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+            if pdl:
+                before = ptx[: ptx.index("griddepcontrol.wait")]
+                assert not re.search(r"\bld\.global|\bst\.global|cp\.async|atom\.|red\.", before), ck.metadata.name
+    assert names == {"gemm1_gluon_kernel", "gemm2_gluon_kernel"}
+
+
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 def test_fused_gemv_compiles_with_both_decodes_in_operand_layout(offline, name):
     """The one-launch GEMV (``gemv_fused_kernel``, what eager calls launch at 1-4 tokens): both

@@ -587,3 +587,32 @@ def test_cap_for_serves_each_count_by_the_smallest_plan_above_it(caps, data):
         for m in list(range(1, max(added) + 3)):
             above = [c for c in added if c >= m]
             assert gp.cap_for(m) == (min(above) if above else max(added)), (sorted(added), m)
+
+
+def test_launch_is_programmatic_only_for_kernels_that_wait():
+    """``Launch(pdl=True)`` gives a stage kernel its ``PDL`` constexpr (it waits for the previous
+    kernel first) and the launch its PDL attribute; a kernel with no ``PDL`` parameter cannot wait, so
+    its launch stays an ordinary one whatever is asked (an early start would read inputs not yet
+    written). Every stage kernel of the package has the parameter."""
+    import triton
+    import triton.language as tl
+    from b12x_ops.backends.triton import gluon_gemv as GG
+    from b12x_ops.backends.triton import gluon_kernels as GK
+    from b12x_ops.backends.triton import kernels as K_
+
+    fin = dict(K=64, TOPK=2, ATOMIC=False, BR=4, BK=64)
+    on = P.Launch(K_.finalize_kernel, fin, num_warps=4, num_stages=1, pdl=True)
+    assert on.constexprs["PDL"] is True and on.options.get("launch_pdl") is True
+    off = P.Launch(K_.finalize_kernel, fin, num_warps=4, num_stages=1, pdl=False)
+    assert off.constexprs["PDL"] is False and "launch_pdl" not in off.options
+
+    @triton.jit
+    def no_wait_kernel(x_ptr, N: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, N), tl.zeros((N,), tl.float32))
+
+    ln = P.Launch(no_wait_kernel, dict(N=16), num_warps=1, num_stages=1, pdl=True)
+    assert "PDL" not in ln.constexprs and "launch_pdl" not in ln.options
+    kernels = [getattr(K_, n) for n in dir(K_) if n.endswith("_kernel") and hasattr(getattr(K_, n), "arg_names")]
+    for mod in (GK, GG):
+        kernels += [getattr(mod, n) for n in dir(mod) if n.endswith("_kernel") and hasattr(getattr(mod, n), "arg_names")]
+    assert len(kernels) >= 8 and all("PDL" in k.arg_names for k in kernels), [k.__name__ for k in kernels]

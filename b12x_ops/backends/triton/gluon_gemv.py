@@ -50,7 +50,7 @@ from .kernels import _swiglu, f32_to_half_bits, gemv_program, half_bits_to_f32, 
 from .mxtl import mxfp8_apply, mxfp8_block_scale
 
 if HAS_GLUON_MMA:
-    from .gluon_kernels import _barrier, _decode_operands, _load_scales, _tile_index
+    from .gluon_kernels import _barrier, _decode_operands, _gdc, _load_scales, _tile_index
 
     def layouts(nw: int, gemv1: bool) -> dict:
         """A program of ``nw`` warps: ``mma`` the ``m16n8k16`` accumulator (a warp a 16-row group: groups
@@ -68,16 +68,6 @@ if HAS_GLUON_MMA:
         if gemv1:
             return dict(out, q_l=gl.BlockedLayout([1, 1], [1, 32], [nw, 1], [1, 0]))
         return dict(out, o_l=gl.BlockedLayout([1], [32], [nw], [0]))
-
-    @gluon.jit
-    def _gdc(PDL: gl.constexpr):
-        """With ``PDL``: wait until the previous kernel has finished and its writes are visible, then let
-        the next one launch (``kernels.pdl_start``'s pair, placed after the loads that read no earlier
-        kernel's output)."""
-        if PDL:
-            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
 
     @gluon.jit
     def _row_operands(w_e, s_e, grow_c, gok_c, grow_s, gok_s, R: gl.constexpr, RED: gl.constexpr,

@@ -111,6 +111,17 @@ if HAS_GLUON:
         return gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
 
     @gluon.jit
+    def _gdc(PDL: gl.constexpr):
+        """With ``PDL`` (the launch lets the next kernel start before this one ends): wait until the
+        previous kernel has finished and its writes are visible, then let the next one launch
+        (``kernels.pdl_start``'s pair). Before any access to memory an earlier kernel may still read or
+        write; the mma.sync GEMV places it after the loads of its weights, which no kernel writes."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
     def _split_order(acc, R: gl.constexpr, BM: gl.constexpr):
         """The ``[R, BM]`` tile with each 32 rows in the split layout's order (``kernels.split_col``:
         the even rows, then the odd ones); a re-indexing of the registers, no data moves."""
@@ -398,7 +409,7 @@ if HAS_GLUON:
         HAS_LIMIT: gl.constexpr, HAS_GS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
         BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
         code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr, mma_h: gl.constexpr,
-        a_l_h: gl.constexpr, HALF: gl.constexpr, ZERO_ACC: gl.constexpr,
+        a_l_h: gl.constexpr, HALF: gl.constexpr, ZERO_ACC: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         or BN / 16 warps (BN = 64 or 128: the first half of the 16-row groups the up rows, the rest the gate rows),
@@ -407,7 +418,9 @@ if HAS_GLUON:
         ``HALF`` 2 one of at most BM / 4 rows the tile of BM / 4.
         ``ZERO_ACC`` 1 or 2: every program zeroes its ``zrows`` rows of GEMM2's fp32 accumulator
         ``acc`` (``[M, K]``) first (1) or last (2), in the prologue's place: fire-and-forget stores
-        beside a compute-bound kernel instead of the prologue's largest write."""
+        beside a compute-bound kernel instead of the prologue's largest write. ``PDL``: launched as a
+        programmatic dependent launch (``_gdc``, before anything else)."""
+        _gdc(PDL)
         if ZERO_ACC == 1:
             _zero_rows(acc_ptr, zrows, M, K)
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
@@ -514,13 +527,14 @@ if HAS_GLUON:
         K: gl.constexpr, N: gl.constexpr, TOPK: gl.constexpr, HAS_GS: gl.constexpr, ATOMIC: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
         mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
-        x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr,
+        x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 or BN / 32 warps
         (BN = 128 or 256: a warp 16 or 32 of the W2 rows), an even STAGES >= 4; its layouts from
         ``layouts(BN, BM, warps)``.
         ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2, and with ``HALF`` 2 one of at most
-        BM / 4 rows the tile of BM / 4."""
+        BM / 4 rows the tile of BM / 4. ``PDL``: as ``gemm1_gluon_kernel``'s."""
+        _gdc(PDL)
         pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
         if e < 0:
             return

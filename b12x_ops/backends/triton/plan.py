@@ -745,6 +745,8 @@ class Launch:
         self.fn = fn
         if "PDL" in fn.arg_names:  # (stage kernels: see kernels.pdl_start)
             constexprs = dict(constexprs, PDL=bool(pdl))
+        else:  # (a kernel that cannot wait for the previous one must not start before it ends)
+            pdl = False
         self.constexprs = constexprs
         self.num_warps = num_warps
         self.num_stages = num_stages
