@@ -711,11 +711,21 @@ def test_gpu_half_tiles_write_what_full_tiles_write(name, monkeypatch):
     x, ids0, w = make_batch(layer, 700, seed=91, device="cuda", padding_rows=3)
     monkeypatch.setattr(P, "HALF_MIN_BM", 32)  # (the kernels' half path from 32-row blocks, the default's 64)
     lo, hi = layer.offset, layer.offset + layer.E
+    local = ((ids0 >= lo) & (ids0 < hi)).flatten().nonzero().squeeze(1)
     for bm in (32, 64, 128):
-        # the slots on as few of the experts as give about 1.25 blocks an expert: one full block and a
-        # part-empty one each, so blocks on both sides of half and of a quarter
-        hot = max(1, min(layer.E, int((ids0 >= lo).logical_and(ids0 < hi).sum()) * 4 // (5 * bm)))
-        ids = torch.where((ids0 >= lo) & (ids0 < hi), lo + (ids0 - lo) % hot, ids0)
+        # the batch's local slots moved so that experts 0, 1, 2 hold a full block and a last block of
+        # at most a quarter, of a quarter to half, and of more than half of bm rows (the rest of the
+        # slots spread over the other experts)
+        counts = (bm + max(1, bm // 8), bm + 3 * bm // 8, 2 * bm - 3)
+        assert local.numel() >= sum(counts), (name, bm, local.numel())
+        new = lo + torch.arange(local.numel(), device="cuda") % max(1, layer.E - 3) + min(3, layer.E - 1)
+        at = 0
+        for j, c in enumerate(counts):
+            new[at:at + c] = lo + j
+            at += c
+        ids = ids0.flatten().clone()
+        ids[local] = new.to(ids.dtype)
+        ids = ids.view_as(ids0)
         base = dataclasses.replace(P.default_config(700, gp.geometry, gemv=False), bm=bm, atomic=False)
         for cfg in dict.fromkeys((base, gp.with_gluon(base))):  # (tl.dot, then the Gluon forms on sm_90)
             written = {}
