@@ -114,8 +114,8 @@ if HAS_GLUON:
     def _gdc(PDL: gl.constexpr):
         """With ``PDL`` (the launch lets the next kernel start before this one ends): wait until the
         previous kernel has finished and its writes are visible, then let the next one launch
-        (``kernels.pdl_start``'s pair). Before any access to memory an earlier kernel may still read or
-        write; the mma.sync GEMV places it after the loads of its weights, which no kernel writes."""
+        (``kernels.pdl_start``'s pair). The blocked GEMMs call it first of all; the mma.sync GEMV after the
+        loads of its weights, which no kernel writes, and before any other memory access."""
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
