@@ -99,36 +99,41 @@ def graph_time(calls, reps=20):
     return time_events(warm_graph(calls).replay, reps) / len(calls)
 
 
-def queued_time(call, loop):
-    """Seconds of GPU time a call of ``call`` when ``loop`` calls wait in the stream's queue behind a
-    sleep kernel, timed by events around them: the host never starves the GPU there, so this is the
-    kernels' GPU time as eager calls launch them (the gaps between separately launched kernels
-    included, the host's time not). A fifth as many untimed calls run between the sleep and the
-    timed ones, so that these find the GPU busy, as graph replay does, not just out of an idle sleep
-    (whose lower power let the clock rise: queued calls of a few ms came out 0.3-0.6 % faster than
-    graph replay without them, H100)."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def queued_gpu_share(call, replay, pairs):
+    """Seconds of GPU time an eager call of ``call`` takes beyond a graph replay of the same call
+    (``replay``): ``pairs`` adjacent pairs, replay then call, all queued behind a sleep kernel so that
+    the host never starves the GPU, each timed by CUDA events; the median of the pairs' differences.
+    That is what launching the kernels one by one outside a graph costs the GPU (the gaps between
+    them), without the host's time. The two halves of a pair run back to back, so a drift of the GPU's
+    clock between measurements (about 1 % of a millisecond call) cancels; a fifth as many untimed pairs
+    run first, so the timed ones find the GPU busy, as graph replay does, not fresh out of an idle sleep."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3 * pairs)]
     torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # (tens of ms: longer than the host takes to issue the loop)
-    for _ in range(max(1, loop // 5)):
+    torch.cuda._sleep(50_000_000)  # (tens of ms: longer than the host takes to issue the pairs)
+    for _ in range(max(1, pairs // 5)):
+        replay()
         call()
-    a.record()
-    for _ in range(loop):
+    for i in range(pairs):
+        ev[3 * i].record()
+        replay()
+        ev[3 * i + 1].record()
         call()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3 / loop
+        ev[3 * i + 2].record()
+    ev[-1].synchronize()
+    d = sorted(ev[3 * i + 1].elapsed_time(ev[3 * i + 2]) - ev[3 * i].elapsed_time(ev[3 * i + 1]) for i in range(pairs))
+    return d[pairs // 2] / 1e3
 
 
 def eager_and_graph(call, reps=10, rounds=5, loop=50):
     """``(eager, graph, overhead, host share, GPU share)`` seconds a call of ``call``: eagerly (the
-    wall time a call of a synchronized loop of ``loop`` calls), replayed from a CUDA graph
-    (``time_events``, ``reps`` replays) and queued (``queued_time``: the eagerly launched kernels' GPU
-    time), timed in ``rounds`` alternating rounds, each the median over the rounds. ``overhead`` is
-    the median of the rounds' eager - graph, split into the host's share (eager - queued: the host's
-    time above the kernels' GPU time) and the GPU's (queued - graph: what launching the kernels one by
-    one outside a graph costs the GPU). Timed side by side, a drift of the GPU's clock between the
-    measurements (a few percent of a millisecond call) does not pass for host overhead."""
+    wall time a call of a synchronized loop of ``loop`` calls) and replayed from a CUDA graph
+    (``time_events``, ``reps`` replays), timed in ``rounds`` alternating rounds, each the median over
+    the rounds. ``overhead`` is the median of the rounds' eager - graph, split into the GPU's share
+    (``queued_gpu_share``: the eagerly launched kernels' GPU time beyond graph replay, in the same
+    rounds) and the host's (the rest: overhead - GPU share, the host's time above the kernels' GPU
+    time). Timed side by side, a drift of the GPU's clock between the two (a few percent of a
+    millisecond call) does not pass for host overhead; what drift is left lands in the host's share,
+    the GPU's is free of it."""
     g = warm_graph([call])
     for _ in range(5):
         call()
@@ -141,12 +146,12 @@ def eager_and_graph(call, reps=10, rounds=5, loop=50):
             call()
         torch.cuda.synchronize()
         et = (time.perf_counter() - t) / loop
-        qt = queued_time(call, loop)
+        gs = queued_gpu_share(call, g.replay, loop)
         eager.append(et)
         graph.append(gt)
         diff.append(et - gt)
-        host.append(et - qt)
-        gpu.append(qt - gt)
+        gpu.append(gs)
+        host.append(et - gt - gs)
     return tuple(sorted(v)[rounds // 2] for v in (eager, graph, diff, host, gpu))
 
 
@@ -450,10 +455,12 @@ def write_markdown(res, path):
              f"TFLOP/s. Times are per layer, CUDA-graph replay over {res['geometries'][0]['layers']} layers, in us. "
              "limit = max(bytes / bandwidth, FLOPs / bf16 peak). eager: the wall time a call of a synchronized "
              "loop of calls on one layer; eager overhead: its median difference to that layer's graph replay, the "
-             "two timed in alternating rounds, split into the host's share (eager minus the GPU time of the same "
-             "calls queued behind a sleep kernel, so that the host never starves the GPU: the host's time above the "
-             "kernels' GPU time) and the GPU's (that queued time minus graph replay: the gaps between separately "
-             "launched kernels); host/call: the host's time to issue a call. Command: `"
+             "two timed in alternating rounds, split into the host's share and the GPU's: the GPU's is the median "
+             "difference between an eager call's GPU time and a graph replay's, in adjacent pairs queued behind a "
+             "sleep kernel so that the host never starves the GPU (the gaps between separately launched kernels; free "
+             "of the clock's drift), the host's the rest (the host's time above the kernels' GPU time, plus what the "
+             "clock drifts between the eager loop and the graph replays); host/call: the host's time to issue a "
+             "call. Command: `"
              + res["command"] + "`", ""]
     for g in res["geometries"]:
         geo = g["geometry"]
