@@ -99,6 +99,21 @@ def graph_time(calls, reps=20):
     return time_events(warm_graph(calls).replay, reps) / len(calls)
 
 
+def host_time(call, calls=10, runs=5):
+    """The host's seconds to issue a call of ``call``: the median over ``runs`` of ``calls`` calls
+    issued after a synchronization, timed without waiting for them (few enough calls that the
+    launch queue never fills)."""
+    out = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            call()
+        out.append((time.perf_counter() - t) / calls)
+    torch.cuda.synchronize()
+    return sorted(out)[runs // 2]
+
+
 def queued_gpu_share(call, replay, pairs):
     """Seconds of GPU time an eager call of ``call`` takes beyond a graph replay of the same call
     (``replay``): ``pairs`` adjacent pairs, replay then call, all queued behind a sleep kernel so that
@@ -355,14 +370,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         # ... and whether its launches went out by one C call (backends/triton/chain.py), as the calls above did
         eager_chained = bool((getattr(h0._state, "chains", {}).get(id(eager_rn)) or (None, 0, None))[2])
         # host cost of issuing one call: few enough calls that the launch queue never fills
-        hosts = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(10):
-                b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0)
-            hosts.append((time.perf_counter() - t) / 10)
-        host = sorted(hosts)[2]
+        host = host_time(lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0))
         if args.diagnose and M == min(args.sizes):
             log_host_profile(lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0), log)
         p = dict(M=M, ours_us=ours * 1e6, limit_us=limit_s * 1e6, hbm_limit_us=t_hbm * 1e6, flop_limit_us=t_flop * 1e6,

@@ -21,10 +21,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_ROOT, "tests"))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 
 import b12x_ops  # noqa: E402
 from _samples import make_batch, make_layer  # noqa: E402
+from bench_moe import host_time  # noqa: E402
 
 GEOMETRIES = {
     "gpt-oss-120b": dict(E=128, K=2880, N=2880, top_k=4, limit=7.0),
@@ -100,14 +103,7 @@ def main() -> None:
             g.replay()
             graph = queued(g.replay, args.loop)
             eager = per_call(call, args.loop)
-            host = []
-            for _ in range(7):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(10):
-                    call()
-                host.append((time.perf_counter() - t) / 10)
-            host = statistics.median(host)
+            host = host_time(call, 10, 7)
             q = queued(call, args.loop)
             print(f"| {name} | {M} | {path(h, M)} | {graph * 1e6:.1f} | {eager * 1e6:.1f} | {host * 1e6:.1f} | {q * 1e6:.1f} | "
                   f"{(q - graph) * 1e6:.1f} | {(eager - q) * 1e6:.1f} |", flush=True)

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -37,21 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import b12x_ops  # noqa: E402
 from b12x_ops.backends import triton as TB  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from bench_moe import GEOMETRIES, random_layer, routing  # noqa: E402
+from bench_moe import GEOMETRIES, host_time, random_layer, routing  # noqa: E402
 
 
 def host_us(fn, calls, runs=20):
+    """``bench_moe.host_time`` of ``fn`` in us, after 20 untimed calls."""
     for _ in range(20):
         fn()
-    out = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    return sorted(out)[runs // 2]
+    return host_time(fn, calls, runs) * 1e6
 
 
 def main():

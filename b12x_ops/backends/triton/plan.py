@@ -307,6 +307,12 @@ def quarter_tiles(bm: int) -> bool:
     return half_tiles(bm) and bm >= QUARTER_MIN_BM and os.environ.get("B12X_OPS_TRITON_QUARTER", "1") == "1"
 
 
+def _quarter_min_bm() -> int:
+    """The smallest block size that takes quarter tiles, 0 where none does (the status line, the cache key)."""
+    q = max(HALF_MIN_BM, QUARTER_MIN_BM)
+    return q if quarter_tiles(q) else 0
+
+
 def tail_tiles(bm: int) -> int:
     """The blocked GEMMs' ``HALF`` constexpr for ``bm``-row blocks: 0 the full tile always, 1 the half
     tile for blocks at most half full, 2 also the quarter tile for blocks at most a quarter full."""
@@ -365,10 +371,10 @@ def half_tiles_status() -> str:
     """Whether the GEMMs take half tiles, and from which block size (``b12x-ops info``)."""
     if not half_tiles(HALF_MIN_BM):
         return "off (B12X_OPS_TRITON_HALF=0)"
-    quarter = quarter_tiles(max(HALF_MIN_BM, QUARTER_MIN_BM))
+    q = _quarter_min_bm()
     return (f"on: in plans of {HALF_MIN_BM}-row blocks or more, a block holding at most half its rows runs the tile "
-            "of half the rows" + (f", and from {max(HALF_MIN_BM, QUARTER_MIN_BM)}-row blocks one holding at most a "
-                                  "quarter the tile of a quarter" if quarter else "; quarter tiles off")
+            "of half the rows" + (f", and from {q}-row blocks one holding at most a quarter the tile of a quarter"
+                                  if q else "; quarter tiles off")
             + " (B12X_OPS_TRITON_HALF=0, B12X_OPS_TRITON_QUARTER=0 turn them off)")
 
 
@@ -1232,7 +1238,7 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> s
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
                       g.has_global_scales, g.deterministic, dev, triton.__version__, 24, gemv, ptx, gluon,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0,
-                      QUARTER_MIN_BM if quarter_tiles(max(HALF_MIN_BM, QUARTER_MIN_BM)) else 0])
+                      _quarter_min_bm()])
     # (the version: 24 the Gluon GEMMs' epilogues write 16 bytes a store or atomic (whole calls'
     # timings change); 23 the prologue's placement spread over placing programs (whole calls' timings
     # change); 22 long reductions' block sizes by the regimes, so their candidates too; 21 the
