@@ -139,8 +139,31 @@ def queued_gpu_share(call, replay, pairs):
     return d[pairs // 2] / 1e3
 
 
+def idle_pair_overhead(call, replay, pairs):
+    """Seconds an eager call of ``call`` started on an idle GPU takes beyond a graph replay of the same
+    call (``replay``) queued right behind it: ``pairs`` pairs, each after a synchronize, timed by CUDA
+    events (before the call, between, after the replay); the median of the pairs' differences. The
+    call's half holds what a caller who waits for each call sees above the kernels' GPU time: the host's
+    time to its first launch, any wait of the GPU for a later one, and the gaps between the launches;
+    the replay's half is GPU time alone wherever the call's kernels outlast the host's issue of the
+    replay (the host issues faster than the GPU runs). The two halves are adjacent, so a drift of the
+    GPU's clock between measurements cancels. Less ``queued_gpu_share`` (the gaps alone) it is the
+    host's share of an idle start, free of the drift that the loop's share carries at long calls."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3 * pairs)]
+    for i in range(pairs):
+        torch.cuda.synchronize()
+        ev[3 * i].record()
+        call()
+        ev[3 * i + 1].record()
+        replay()
+        ev[3 * i + 2].record()
+    torch.cuda.synchronize()
+    d = sorted(ev[3 * i].elapsed_time(ev[3 * i + 1]) - ev[3 * i + 1].elapsed_time(ev[3 * i + 2]) for i in range(pairs))
+    return d[pairs // 2] / 1e3
+
+
 def eager_and_graph(call, reps=10, rounds=5, loop=50):
-    """``(eager, graph, overhead, host share, GPU share)`` seconds a call of ``call``: eagerly (the
+    """``(eager, graph, overhead, host share, GPU share, idle overhead)`` seconds a call of ``call``: eagerly (the
     wall time a call of a synchronized loop of ``loop`` calls) and replayed from a CUDA graph
     (``time_events``, ``reps`` replays), timed in ``rounds`` alternating rounds, each the median over
     the rounds. ``overhead`` is the median of the rounds' eager - graph, split into the GPU's share
@@ -148,11 +171,13 @@ def eager_and_graph(call, reps=10, rounds=5, loop=50):
     rounds) and the host's (the rest: overhead - GPU share, the host's time above the kernels' GPU
     time). Timed side by side, a drift of the GPU's clock between the two (a few percent of a
     millisecond call) does not pass for host overhead; what drift is left lands in the host's share,
-    the GPU's is free of it."""
+    the GPU's is free of it. ``idle overhead``: ``idle_pair_overhead`` in the same rounds (a call from an
+    idle GPU against the replay queued behind it: drift-free where the host issues faster than the GPU
+    runs)."""
     g = warm_graph([call])
     for _ in range(5):
         call()
-    eager, graph, diff, host, gpu = [], [], [], [], []
+    eager, graph, diff, host, gpu, idle = [], [], [], [], [], []
     for _ in range(rounds):
         gt = time_events(g.replay, reps)
         torch.cuda.synchronize()
@@ -167,7 +192,8 @@ def eager_and_graph(call, reps=10, rounds=5, loop=50):
         diff.append(et - gt)
         gpu.append(gs)
         host.append(et - gt - gs)
-    return tuple(sorted(v)[rounds // 2] for v in (eager, graph, diff, host, gpu))
+        idle.append(idle_pair_overhead(call, g.replay, loop))
+    return tuple(sorted(v)[rounds // 2] for v in (eager, graph, diff, host, gpu, idle))
 
 
 def random_layer(E, K, N, device, gen_seed):
@@ -362,7 +388,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         # eager: wall time per call of a synchronized loop against one layer's graph, side by side
         # (``eager_and_graph``), and host time to issue one call
         h0, x0, i0, w0, o0 = handles[0], xs[0], rt[0][1], rt[0][2], outs[0]
-        eager, single, overhead, host_share, gpu_share = eager_and_graph(
+        eager, single, overhead, host_share, gpu_share, idle = eager_and_graph(
             lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0), args.reps)
         # what an eager call launches: the GEMV path's one launch (kept at prepare where faster) or not
         eager_rn = h0._state.plans.runner_for(M, lambda: False)
@@ -378,6 +404,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
                  pct_of_limit=100 * limit_s / ours, eager_us=eager * 1e6, host_us=host * 1e6,
                  single_graph_us=single * 1e6, eager_overhead_us=overhead * 1e6,
                  eager_host_share_us=host_share * 1e6, eager_gpu_share_us=gpu_share * 1e6,
+                 eager_idle_overhead_us=idle * 1e6,
                  tflops=flops / ours / 1e12, pct_bf16_peak=100 * flops / ours / peak, eager_fused=eager_fused,
                  eager_chained=eager_chained)
         if bf16:
@@ -457,6 +484,19 @@ def _overhead_cell(p) -> str:
     return cell
 
 
+def _idle_cell(p) -> str:
+    """The eager overhead of a call from an idle GPU (``idle_pair_overhead``) and its host share (less the
+    GPU's, ``queued_gpu_share``), where the host issues a call faster than its graph replay runs, so that
+    the replay in each pair is queued and the pair measures what it says; "-" where the host is slower
+    (there the loop's share is the measure), blank for points made before it was measured."""
+    if p.get("eager_idle_overhead_us") is None:
+        return ""
+    if p.get("single_graph_us") is None or p["host_us"] >= p["single_graph_us"]:
+        return "-"
+    idle, gpu = p["eager_idle_overhead_us"], p["eager_gpu_share_us"]
+    return f"{idle:.1f} ({idle - gpu:.1f} + {gpu:.1f})"
+
+
 def write_markdown(res, path):
     lines = [f"# W4A8 MoE benchmark ({res['device']}, torch {res['torch']}, triton {res['triton']})", "",
              f"Measured copy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['bf16_peak'] / 1e12:.0f} "
@@ -467,8 +507,12 @@ def write_markdown(res, path):
              "difference between an eager call's GPU time and a graph replay's, in adjacent pairs queued behind a "
              "sleep kernel so that the host never starves the GPU (the gaps between separately launched kernels; free "
              "of the clock's drift), the host's the rest (the host's time above the kernels' GPU time, plus what the "
-             "clock drifts between the eager loop and the graph replays); host/call: the host's time to issue a "
-             "call. Command: `"
+             "clock drifts between the eager loop and the graph replays); from idle (host + GPU): the median "
+             "difference, in pairs each started after a synchronize, between an eager call's GPU time from an idle "
+             "GPU (the host's time to its first launch included) and a graph replay queued right behind it, so free "
+             "of the drift, with the host's share (less the GPU's above), shown where the host issues a call faster "
+             "than its graph replay runs (\"-\" where it does not: there the loop's share is the measure); host/call: "
+             "the host's time to issue a call. Command: `"
              + res["command"] + "`", ""]
     for g in res["geometries"]:
         geo = g["geometry"]
@@ -477,8 +521,8 @@ def write_markdown(res, path):
         if g.get("peer_error"):
             lines += [f"triton_kernels: {g['peer_error']}", ""]
         lines += ["| M | ours | limit | % of limit | bf16 | triton_kernels | ours vs tk | % bf16 peak | eager | "
-                  "eager overhead (host + GPU) | host/call | rel err |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "eager overhead (host + GPU) | from idle (host + GPU) | host/call | rel err |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in g["points"]:
             tk = p.get("triton_kernels_us")
             tk_s = "" if tk is None else f"{tk:.1f}"
@@ -487,7 +531,7 @@ def write_markdown(res, path):
             lines.append(
                 f"| {p['M']} | {p['ours_us']:.1f} | {p['limit_us']:.1f} | {p['pct_of_limit']:.0f}% | "
                 f"{p.get('bf16_us', float('nan')):.1f} | {tk_s} | {ratio} | {p['pct_bf16_peak']:.0f}% | "
-                f"{p['eager_us']:.1f} | {_overhead_cell(p)} | {p['host_us']:.1f} | {err} |")
+                f"{p['eager_us']:.1f} | {_overhead_cell(p)} | {_idle_cell(p)} | {p['host_us']:.1f} | {err} |")
         fused = [str(p["M"]) for p in g["points"] if p.get("eager_fused")]
         lines += ["", f"Eager calls launch the GEMV path as one kernel at M = {', '.join(fused)} (prepare timed it "
                   "faster there); every other eager call, and every graph, launches the stages apart."

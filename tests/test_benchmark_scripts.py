@@ -136,3 +136,26 @@ def test_bench_markdown_splits_eager_overhead_into_host_and_gpu_shares(tmp_path,
     rows = [ln for ln in path.read_text().splitlines() if ln.startswith("| 1 |") or ln.startswith("| 2 |")]
     assert rows[0].split(" | ")[9] == "1.5 (0.2 + 1.2)" and rows[1].split(" | ")[9] == "1.5", rows
     assert "eager overhead (host + GPU)" in path.read_text()
+
+
+def test_bench_markdown_gives_the_idle_start_overhead_where_the_host_runs_ahead(tmp_path, monkeypatch):
+    """The idle-start cell (``bench_moe.idle_pair_overhead``) gives the overhead and its host share (less
+    the queued GPU share) only where the host issues a call faster than its graph replay runs, "-" where
+    it does not, and nothing for points made before it was measured."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+
+    base = dict(ours_us=10.0, limit_us=5.0, pct_of_limit=50.0, pct_bf16_peak=1.0, eager_us=11.0, eager_overhead_us=1.5,
+                host_us=30.0, rel_err_vs_ref=None, eager_fused=False, eager_chained=False, eager_host_share_us=0.5,
+                eager_gpu_share_us=5.5)
+    geo = dict(name="tiny", E=4, K=64, N=32, top_k=2, limit=None)
+    pts = [dict(base, M=1, single_graph_us=1000.0, eager_idle_overhead_us=8.25),
+           dict(base, M=2, single_graph_us=20.0, eager_idle_overhead_us=8.25), dict(base, M=4)]
+    res = dict(device="cpu", torch="t", triton="t", copy_bw=1e12, bf16_peak=1e14, command="bench",
+               geometries=[dict(geometry=geo, layers=2, points=pts)])
+    path = tmp_path / "results.md"
+    B.write_markdown(res, str(path))
+    rows = {ln.split(" | ")[0]: ln.split(" | ") for ln in path.read_text().splitlines() if ln.startswith("| ")}
+    assert rows["| 1"][10] == "8.2 (2.8 + 5.5)", rows["| 1"]
+    assert rows["| 2"][10] == "-" and rows["| 4"][10] == "", (rows["| 2"], rows["| 4"])
+    assert rows["| 1"][11] == "30.0" and "from idle (host + GPU)" in path.read_text()
