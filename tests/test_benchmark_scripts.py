@@ -159,3 +159,21 @@ def test_bench_markdown_gives_the_idle_start_overhead_where_the_host_runs_ahead(
     assert rows["| 1"][10] == "8.2 (2.8 + 5.5)", rows["| 1"]
     assert rows["| 2"][10] == "-" and rows["| 4"][10] == "", (rows["| 2"], rows["| 4"])
     assert rows["| 1"][11] == "30.0" and "from idle (host + GPU)" in path.read_text()
+
+
+def test_issued_work_counts_each_blocks_tile_and_the_last_column_tile(monkeypatch):
+    """``experiments/issued_work.py``: a block issues the rows of its tile (the whole block, or half or a
+    quarter where ``HALF`` allows and the block is that empty), and a GEMM's last column tile counts whole."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks", "experiments"))
+    import issued_work as W
+
+    counts = [0, 1, 16, 17, 32, 33, 64, 65]
+    assert W.issued(counts, 64, 0) == 0 + 64 * 5 + 64 + 128
+    assert W.issued(counts, 64, 1) == 0 + 32 * 4 + 64 + 64 + (64 + 32)
+    assert W.issued(counts, 64, 2) == 0 + 16 * 2 + 32 * 2 + 64 + 64 + (64 + 16)
+    w = W.work("dsv4.1-tp4", 8192)
+    assert w["slots"] == 8192 * 6 <= w["rows"] and w["rows"] % 16 == 0
+    assert w["col1"] == 576 / (-(-576 // w["bn1"]) * w["bn1"]) and w["col2"] == 1.0
+    assert abs(w["gemm1"] - w["row_share"] * w["col1"]) < 1e-12 and w["gemm2"] == w["row_share"]
+    assert min(w["gemm1"], w["gemm2"]) <= w["both"] <= max(w["gemm1"], w["gemm2"])
