@@ -424,7 +424,8 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
                 peer = []
         log(f"  M={M:5d} ours {p['ours_us']:9.1f} us  limit {p['limit_us']:8.1f} ({p['pct_of_limit']:5.1f}%)  "
             f"bf16 {p.get('bf16_us', float('nan')):9.1f}  tk {p.get('triton_kernels_us', float('nan')):9.1f}  "
-            f"eager {p['eager_us']:7.1f} host {p['host_us']:6.1f} err {err}")
+            f"eager {p['eager_us']:7.1f} (overhead {_overhead_cell(p)}, from idle {_idle_cell(p) or '-'}) "
+            f"host {p['host_us']:6.1f} err {err}")
         points.append(p)
     diag = diagnose(handles, args, E, K, top_k, log) if args.diagnose else []
     plans = {str(c): cfg.as_dict() for c, cfg in handles[0]._state.plans.configs.items()}
