@@ -177,3 +177,56 @@ def test_issued_work_counts_each_blocks_tile_and_the_last_column_tile(monkeypatc
     assert w["col1"] == 576 / (-(-576 // w["bn1"]) * w["bn1"]) and w["col2"] == 1.0
     assert abs(w["gemm1"] - w["row_share"] * w["col1"]) < 1e-12 and w["gemm2"] == w["row_share"]
     assert min(w["gemm1"], w["gemm2"]) <= w["both"] <= max(w["gemm1"], w["gemm2"])
+
+
+class _FakeClock:
+    """A stand-in for CUDA events on the CPU: ``record`` stamps the clock, which the timed functions move."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.syncs = 0
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = clock.now
+
+            def synchronize(self):
+                clock.syncs += 1
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+        self.Event = Event
+
+    def synchronize(self):
+        self.syncs += 1
+
+
+def test_eager_pair_measurements_subtract_the_right_halves(monkeypatch):
+    """``bench_moe.idle_pair_overhead`` is the median of (call - replay) over its pairs, each pair after a
+    synchronize; ``queued_gpu_share`` the median of (call - replay) with the replay first. Fed a clock that
+    each call and replay move by known amounts (ms), both give the call's excess in seconds."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+    import torch
+
+    clock = _FakeClock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", clock.synchronize)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None, raising=False)
+    extra = iter([0.004, 0.001, 0.009, 0.002, 0.003] * 100)  # the call's excess over the replay, ms
+
+    def call():
+        clock.now += 1.0 + next(extra)
+
+    def replay():
+        clock.now += 1.0
+
+    syncs = clock.syncs
+    assert abs(B.idle_pair_overhead(call, replay, 5) - 0.003e-3) < 1e-12
+    assert clock.syncs - syncs >= 5  # (each pair starts from an idle GPU)
+    assert abs(B.queued_gpu_share(call, replay, 5) - 0.003e-3) < 1e-12
