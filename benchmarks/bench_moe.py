@@ -212,6 +212,16 @@ def dequant_bf16(codes, scales):
     return out
 
 
+def plan_geometry(geo, device="cpu", deterministic=False):
+    """The backend's ``Geometry`` of benchmark geometry ``geo`` (a ``GEOMETRIES`` value) for planning
+    without handles: its shapes and limit, the checkpoint's w13 layout, SiLU, no global scales."""
+    from b12x_ops.handle import Geometry
+
+    return Geometry(num_experts=geo["E"], hidden_size=geo["K"], intermediate_size=geo["N"], top_k=geo["top_k"],
+                    w13_layout="w13", activation="silu", swiglu_limit=geo["limit"], has_global_scales=False,
+                    deterministic=deterministic, device=torch.device(device))
+
+
 def routing(M, E, top_k, device, seed):
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(M, E, device=device, generator=g)

@@ -24,7 +24,6 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -176,7 +175,7 @@ def compile_launch(launch: P.Launch, arch: int):
 
 def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_moe import GEOMETRIES
+    from bench_moe import GEOMETRIES, plan_geometry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
@@ -194,7 +193,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|")
     for name in args.geometries:
         geo = GEOMETRIES[name]
-        g = _geometry(geo)
+        g = plan_geometry(geo, deterministic=True)  # (only shapes and flags matter here)
         gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fold=True, pdl=args.pdl)
         gp.ptx = gp.fold = True  # what a GPU prepare with usual scales (bytes in [2, 128]) chooses
         gp.dot_dtype = triton.language.bfloat16
@@ -219,15 +218,6 @@ def main(argv=None):
                     for n, ops in loop_profile(ck.asm["cubin"]):
                         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(10))
                         print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |", flush=True)
-
-
-def _geometry(geo):
-    """A CPU ``Geometry`` of a benchmark geometry (only shapes and flags matter here)."""
-    from b12x_ops.handle import Geometry
-
-    return Geometry(num_experts=geo["E"], hidden_size=geo["K"], intermediate_size=geo["N"], top_k=geo["top_k"],
-                    w13_layout="w13", activation="silu", swiglu_limit=geo["limit"], has_global_scales=False, deterministic=True,
-                    device=torch.device("cpu"))
 
 
 if __name__ == "__main__":

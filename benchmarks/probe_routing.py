@@ -28,17 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from b12x_ops.backends.triton import _raw_routing  # noqa: E402
 from b12x_ops.backends.triton import kernels as K_  # noqa: E402
 from b12x_ops.backends.triton import plan as P  # noqa: E402
-from b12x_ops.handle import Geometry  # noqa: E402
-from bench_moe import GEOMETRIES, graph_time, routing  # noqa: E402
+from bench_moe import GEOMETRIES, graph_time, plan_geometry, routing  # noqa: E402
 from old_routing import OLD, old_prologue_kernel  # noqa: E402
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
 
 
 def setup(geo, M):
-    g = Geometry(num_experts=geo["E"], hidden_size=geo["K"], intermediate_size=geo["N"], top_k=geo["top_k"],
-                 w13_layout="w13", activation="silu", swiglu_limit=geo["limit"], has_global_scales=False,
-                 deterministic=False, device=torch.device("cuda"))
+    g = plan_geometry(geo, device="cuda")
     gp = P.GeometryPlans(g, True, gemv=False)
     cfg = P.default_config(M, g, gemv=False)
     gp.reserve(M, cfg)

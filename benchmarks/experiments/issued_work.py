@@ -45,14 +45,11 @@ def work(name: str, M: int, seed: int = 0) -> dict:
     import torch
 
     from b12x_ops.backends.triton import plan as P
-    from b12x_ops.handle import Geometry
-    from bench_moe import GEOMETRIES, routing
+    from bench_moe import GEOMETRIES, plan_geometry, routing
 
     geo = GEOMETRIES[name]
     E, K, N, top_k = geo["E"], geo["K"], geo["N"], geo["top_k"]
-    g = Geometry(num_experts=E, hidden_size=K, intermediate_size=N, top_k=top_k, w13_layout="w13",
-                 activation="silu", swiglu_limit=geo["limit"], has_global_scales=False,
-                 device=torch.device("cpu"), deterministic=False)
+    g = plan_geometry(geo)
     cfg = P.default_config(M, g)
     g1, g2 = P.gluon_forms(cfg.bm, g, M)
     bn1 = (g1 or {}).get("bn1", cfg.bn1)
