@@ -175,7 +175,7 @@ def compile_launch(launch: P.Launch, arch: int):
 
 def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_moe import GEOMETRIES, plan_geometry
+    from bench_moe import GEOMETRIES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
@@ -193,7 +193,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|")
     for name in args.geometries:
         geo = GEOMETRIES[name]
-        g = plan_geometry(geo, deterministic=True)  # (only shapes and flags matter here)
+        g = _geometry(geo)
         gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fold=True, pdl=args.pdl)
         gp.ptx = gp.fold = True  # what a GPU prepare with usual scales (bytes in [2, 128]) chooses
         gp.dot_dtype = triton.language.bfloat16
@@ -218,6 +218,14 @@ def main(argv=None):
                     for n, ops in loop_profile(ck.asm["cubin"]):
                         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(10))
                         print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |", flush=True)
+
+
+def _geometry(geo):
+    """A CPU ``Geometry`` of a benchmark geometry (only shapes and flags matter here)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_moe import plan_geometry
+
+    return plan_geometry(geo, deterministic=True)
 
 
 if __name__ == "__main__":
