@@ -143,7 +143,7 @@ def _print_triton_launch(device) -> None:
     print(f"triton compiled launches: {plan.direct_launch_status()}")
     from .backends.triton import chain
 
-    print(f"triton eager GEMV calls: {chain.status()}")
+    print(f"triton eager calls: {chain.status()}")
 
 
 def _parse_geometry(text: str) -> tuple[int, int, int, int]:

@@ -108,6 +108,8 @@ def measure_triton(calls: int = 20000, data_ptr: bool = False) -> dict[str, floa
         ln.compiled = Compiled()                  # the interpreter never records)
         ln._function, ln._packed, ln._direct = 0, (4, 1, 0), (c_launch, 0, 0)
         ln._run = lambda gx, gy, gz, stream, function, *args: c_launch(*args)  # (the launcher object's path)
+    import b12x_ops.backends.triton as T
+
     res = {}
     for M, path in ((1, "small-M GEMV path, its one-launch eager form"), (32, "blocked path, 4 launches")):
         x = torch.randn(M, K, dtype=torch.bfloat16)
@@ -115,12 +117,12 @@ def measure_triton(calls: int = 20000, data_ptr: bool = False) -> dict[str, floa
         w = torch.rand(M, top_k)
         out = torch.empty_like(x)
         assert h._state.plans.plan_for(M)[1].gemv == (M == 1)
+        T._CH.ENABLED = False  # (through triton's launcher, a launch at a time)
         res[f"b12x::moe_w4a8_out on the triton backend, {path}, launcher left out"] = _per_call_us(
             lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
+        T._CH.ENABLED = True
     # the GEMV path's launches apart (no one-launch eager form), through triton's launcher (chains off)
     # and by its chain (``backends/triton/chain.py``), the C call left out
-    import b12x_ops.backends.triton as T
-
     st = h._state
     gp = st.plans
     gp.eager_runners.clear()
@@ -138,6 +140,15 @@ def measure_triton(calls: int = 20000, data_ptr: bool = False) -> dict[str, floa
     st.chains[id(rn)] = (rn, gp.arena.version, b"(a chain)")
     res[f"b12x::moe_w4a8_out on the triton backend, {path} by their chain, the C call left out"] = _per_call_us(
         lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
+    # the blocked path's four launches by their chain (one a token count), the C call left out
+    M = 32
+    rn = gp.runner_for(M, lambda: False)
+    assert not rn.cfg.gemv
+    x, ids, w = torch.randn(M, K, dtype=torch.bfloat16), torch.randint(0, E, (M, top_k), dtype=torch.int32), torch.rand(M, top_k)
+    out = torch.empty_like(x)
+    st.chains[T.chain_key(rn, M)] = (rn, gp.arena.version, b"(a chain)")
+    res["b12x::moe_w4a8_out on the triton backend, blocked path, 4 launches by their chain, the C call left out"] = (
+        _per_call_us(lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls))
     return res
 
 

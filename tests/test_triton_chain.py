@@ -136,3 +136,60 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
             assert (threads, shared, pdl) == (32 * ck.metadata.num_warps, ck.metadata.shared,
                                               int(bool(ck.metadata.launch_pdl)))
             assert params == _expected(ck.src.signature, ln.fn.arg_names, tuple(args) + ln._tail), ln.fn.__name__
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,tokens,gluon,atomic", [("qwen3-30b-a3b", 16, False, None), ("dsv4.1-tp4", 37, False, False),
+                                                       ("gpt-oss-120b", 512, True, None), ("qwen3-30b-a3b", 2048, True, None),
+                                                       ("dsv4.1-tp4", 300, True, False)])
+def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, tokens, gluon, atomic):
+    """The blocked path's chain (one per token count: its grids and block count are fixed words) packs,
+    kernel by kernel, the bytes triton's launcher would pass for ``_blocked_launches``' arguments at that
+    count: the tl.dot GEMMs and the Gluon ones (sm_90's), atomic and row-a-slot GEMM2s."""
+    import dataclasses
+
+    import triton
+
+    from b12x_ops.backends.triton import _blocked_launches, chain
+    from b12x_ops.backends.triton import gluon_kernels as GK
+    from b12x_ops.backends.triton import plan as P
+
+    if gluon and not GK.HAS_GLUON:
+        pytest.skip("this triton has no Gluon with Hopper's wgmma")
+    g = offline._geometry(GEOMETRIES[name])
+    gp = P.GeometryPlans(g, True, False, ptx=True, dry=True, fold=True)
+    gp.ptx, gp.fold, gp.dot_dtype = True, True, triton.language.bfloat16
+    gp.gluon = gluon
+    cfg = gp.with_gluon(P.default_config(tokens, g, gemv=False), tokens)
+    if atomic is not None:
+        cfg = dataclasses.replace(cfg, atomic=atomic)
+    assert not cfg.gemv and cfg.gluon == gluon
+    rn = gp.runner(cfg, tokens)
+    launches = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
+    for k, ln in enumerate(launches):  # (as after a GPU prepare: compiled, the kernel's handle kept)
+        ln.compiled = offline.compile_launch(ln, 90)
+        ln._function = 0x6000 + k
+    state = types.SimpleNamespace(plans=gp, expert_offset=11, limit=float(g.swiglu_limit or 0.0))
+    addr = _Addresses()
+    v = chain.placeholders()
+    blob = chain.build(_blocked_launches(state, rn, {}, addr, *(v[n] for n in chain.VALUES), tokens=tokens))
+    assert blob is not None
+    rng = random.Random(tokens)
+    for _ in range(10):
+        call = dict(x=0x7100_0000_0000 + 16 * rng.randrange(1 << 20), ids=0x7200_0000_0000 + 4 * rng.randrange(1 << 20),
+                    w=0x7300_0000_0000 + 2 * rng.randrange(1 << 20), out=0x7400_0000_0000 + 16 * rng.randrange(1 << 20),
+                    m=tokens, sx=rng.choice([g.hidden_size, 2 * g.hidden_size + 64]),
+                    si0=rng.choice([g.top_k, 2 * g.top_k, 3]), si1=rng.choice([1, 2]), sw0=rng.choice([g.top_k, 7]),
+                    sw1=rng.choice([1, 2]), w_kind=rng.randrange(3), so=rng.choice([g.hidden_size, 4 * g.hidden_size]),
+                    x_fp16=rng.randrange(2), out_fp16=rng.randrange(2))
+        got = chain_mod.pack(blob, *(call[n] for n in chain.VALUES))
+        want = _blocked_launches(state, rn, {}, addr, *(call[n] for n in chain.VALUES))
+        assert [ln.fn.__name__ for ln, _, _ in want][1:3] == [f"gemm{i}_{'gluon_' if on else ''}kernel"
+                                                              for i, on in ((1, cfg.gluon), (2, cfg.gluon2))]
+        assert len(got) == len(want) == 4
+        for (fn, grid, threads, shared, pdl, params), (ln, wgrid, args) in zip(got, want):
+            ck = ln.compiled
+            assert fn == ln._function and grid == tuple(wgrid) and min(grid) >= 1
+            assert (threads, shared, pdl) == (32 * ck.metadata.num_warps, ck.metadata.shared,
+                                              int(bool(ck.metadata.launch_pdl)))
+            assert params == _expected(ck.src.signature, ln.fn.arg_names, tuple(args) + ln._tail), ln.fn.__name__

@@ -82,9 +82,19 @@ def test_gpu_compiled_launches_reach_the_driver_either_way_with_the_same_bits(na
 
     from b12x_ops.backends.triton import plan as P
 
+    from b12x_ops.backends.triton import chain
+
     layer, h, ref = _layer(name, deterministic=True)
     gp = h._state.plans
     direct = P.DIRECT_LAUNCH and triton.__version__.startswith(P.DIRECT_LAUNCH_VERSIONS)
+    chain.ENABLED = False  # (eager calls by their chain go through neither: this tests the launches)
+    try:
+        _either_way(layer, h, ref, gp, direct)
+    finally:
+        chain.ENABLED = True
+
+
+def _either_way(layer, h, ref, gp, direct):
     for M in (1, 3, 16, 100):
         x, ids, w = make_batch(layer, M, seed=M, device="cuda", padding_rows=1)
         rn = gp.runner_for(M, lambda: False)
@@ -101,6 +111,78 @@ def test_gpu_compiled_launches_reach_the_driver_either_way_with_the_same_bits(na
                 ln._direct = d
         assert torch.equal(first, second), M
         assert rel_l2(first, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, M
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "gpt-oss-120b", "odd-ep"])
+def test_gpu_eager_blocked_calls_launch_by_their_chain_with_the_launches_bits(name):
+    """An eager call on the blocked path launches its four kernels by one C call (a chain of its own token
+    count, ``chain_key``), not through triton's launcher (made to fail here), and leaves the chain in the
+    handle's fast path, by which the next call goes; in deterministic mode both write the bits the
+    launches write (chains off) and a captured call's replay writes; the atomic default matches the
+    reference. Token counts of 16- to 128-row blocks (the tl.dot and the Gluon GEMMs), int32/int64 ids,
+    fp32/bf16/fp16 weights, strided routing, fp16 x, padding and foreign ids."""
+    from b12x_ops.backends.triton import chain, chain_key
+
+    assert chain.ENABLED and chain.module() is not None
+    ran = 0
+    for det in (True, False):
+        layer, h, ref = _layer(name, deterministic=det)
+        state = h._state
+        gp = state.plans
+        for i, M in enumerate((9, 16, 77, 600, 2048)):
+            rn = gp.runner_for(M, lambda: False)
+            if rn.cfg.gemv or (not rn.cfg.atomic and M > gp.slot_chunk):
+                continue
+            x, ids, w = make_batch(layer, M, seed=60 + M, device="cuda", padding_rows=min(2, M // 4),
+                                   strided=(i % 3 == 1), id_dtype=torch.int64 if i % 2 else torch.int32,
+                                   w_dtype=(torch.float32, torch.bfloat16, torch.float16)[i % 3],
+                                   x_dtype=torch.float16 if i % 4 == 3 else torch.bfloat16)
+            used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
+            saved = [(ln, ln._direct, ln._run) for ln in used]
+
+            def boom(*args, **kwargs):
+                raise AssertionError("launched through triton's launcher")
+
+            try:
+                for ln, _, _ in saved:
+                    ln._direct, ln._run = None, boom
+                state.fast.pop(M, None)
+                chained = b12x_ops.moe_w4a8(x, ids, w, h)
+                blob = state.chains[chain_key(rn, M)][2]
+                assert blob is not None and state.fast.get(M) is blob, (name, M)  # (left in the fast path)
+                again = b12x_ops.moe_w4a8(x, ids, w, h)  # (straight to the chain)
+            finally:
+                for ln, d, r in saved:
+                    ln._direct, ln._run = d, r
+            assert rel_l2(chained.float(), b12x_ops.moe_w4a8(x, ids, w, ref).float()) <= 1e-2, (name, M, det)
+            if not det:  # (atomic adds: equal to rounding, in any order)
+                assert rel_l2(again.float(), chained.float()) <= 1e-3, (name, M)
+                ran += 1
+                continue
+            assert torch.equal(again, chained), (name, M)
+            chain.ENABLED = False
+            calls = []
+            try:
+                for ln, _, r in saved:  # (chains off: each kernel through triton's launcher, the fast path too)
+                    ln._direct, ln._run = None, (lambda *a, _r=r: (calls.append(1), _r(*a))[1])
+                launched = b12x_ops.moe_w4a8(x, ids, w, h)
+            finally:
+                chain.ENABLED = True
+                for ln, d, r in saved:
+                    ln._direct, ln._run = d, r
+            assert len(calls) == 4, (name, M)
+            assert torch.equal(chained, launched), (name, M)
+            out = torch.full_like(x, float("nan"))
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+            g.replay()
+            torch.cuda.synchronize()
+            if gp.runner_for(M, lambda: True) is rn:  # (the same form captured: the same bits)
+                assert torch.equal(out, chained), (name, M)
+            ran += 1
+    assert ran >= 4, name
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])

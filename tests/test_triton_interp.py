@@ -956,6 +956,65 @@ def test_interp_eager_calls_go_straight_to_their_chain_until_the_plans_change(mo
 
 
 @inner
+def test_interp_blocked_calls_take_one_chain_a_token_count(monkeypatch):
+    """On the blocked path a chain serves one token count (its grids and block count are fixed words):
+    a runner's calls of 5 and of 6 tokens each build their own chain (``chain_key``), from
+    ``_blocked_launches`` at that count, and leave it in the fast path; past ``MAX_BLOCKED_CHAINS`` a
+    count without one goes through triton's launcher (``_launch``). The chains' bytes and the C call
+    are stubbed (``test_triton_chain.py`` checks the bytes a blocked chain packs)."""
+    import types
+
+    from b12x_ops.backends import triton as T
+
+    layer = make_layer(E=6, K=64, N=32, top_k=3, seed=22)
+    h = layer.prepare(backend="triton", max_tokens=8, gemv=False)
+    st = h._state
+    gp = st.plans
+    calls, built, launched = [], [], []
+    monkeypatch.setattr(T, "_CH_MOD", types.SimpleNamespace(launch=lambda blob, *v: calls.append((blob,) + v) or True))
+    monkeypatch.setattr(T, "_P", P)
+    monkeypatch.setattr(T, "_KNOBS", P._RUNTIME_KNOBS)
+    monkeypatch.setattr(P, "_raw_stream", lambda dev: 77)
+    monkeypatch.setattr(P, "_current_device", lambda: 0)
+
+    def build(state, rn, m):
+        assert not rn.cfg.gemv and state is st
+        v = T._CH.placeholders()
+        used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
+        saved = [ln.compiled for ln in used]
+        try:  # (as compiled launches take them: the call's values as they are, the operands as addresses)
+            for ln in used:
+                ln.compiled = object()
+            launches = T._blocked_launches(state, rn, *T._operands(state), *(v[n] for n in T._CH.VALUES), tokens=m)
+        finally:
+            for ln, c in zip(used, saved):
+                ln.compiled = c
+        assert launches[3][2][2] is v["out"] and launches[0][2][13] is v["m"]
+        assert [ln for ln, _, _ in launches] == [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
+        assert launches[2][1] == (rn.blocks(m * 3) * rn.n_tiles2, 1, 1)  # (the count's own grid)
+        built.append(m)
+        return f"chain {m}".encode()
+
+    monkeypatch.setattr(T, "_build_chain", build)
+    monkeypatch.setattr(T, "_launch", lambda *a: launched.append(a[0:2]))
+    monkeypatch.setattr(T, "MAX_BLOCKED_CHAINS", 2)
+    st.chains.clear()
+    st.fast.clear()
+    rn = gp.runner_for(6)
+    assert gp.runner_for(5) is rn and not rn.cfg.gemv
+    for M in (5, 6, 5, 6):
+        x, ids, w = make_batch(layer, M, seed=M)
+        b12x_ops.moe_w4a8(x, ids, w, h)
+        assert st.fast.get(M) == f"chain {M}".encode() and calls[-1][0] == st.fast[M]
+        assert calls[-1][6] == M and calls[-1][2] == x.data_ptr()  # (the call's own values)
+    assert built == [5, 6] and not launched and len(calls) == 4
+    assert set(st.chains) == {T.chain_key(rn, 5), T.chain_key(rn, 6)} and T.chain_key(rn, 5) != T.chain_key(rn, 6)
+    x, ids, w = make_batch(layer, 7, seed=7)  # (a third count past the bound: the launcher)
+    b12x_ops.moe_w4a8(x, ids, w, h)
+    assert built == [5, 6] and len(launched) == 1 and 7 not in st.fast and len(calls) == 4
+
+
+@inner
 def test_interp_split_race_experiment_runs(monkeypatch, capsys):
     """``benchmarks/experiments/split_race.py`` (the GPU's run-to-run check of the GEMV splits) runs its
     loop on the CPU under the interpreter, where every call gives the first call's bits."""

@@ -22,7 +22,7 @@ Options (``prepare_experts(..., backend="triton", **options)``):
 The handle keeps the MXFP4 codes in the layout of ``layout.py`` (made at prepare, in place of the
 checkpoint's: the same bytes but for K padded to a multiple of 64) and the scale bytes as they are.
 The per-call path (``run``) is four precompiled launches (two or three on the small-M GEMV path; see
-``kernels.py``) and no host sync; a GEMV call's launches go out by one C call (``chain.py``).
+``kernels.py``) and no host sync; an eager call's launches go out by one C call (``chain.py``).
 Under ``TRITON_INTERPRET=1`` the backend also runs on the CPU, with fp32 operands (the CPU
 interpreter gets bf16 ``tl.dot`` wrong), which is how CI tests the kernels' logic.
 """
@@ -83,8 +83,8 @@ class State:
     # (``_operands``) the handle's tensors and its arena's buffers by name, as tensors and as
     # addresses, made for the arena version it names
     operands: tuple = dataclasses.field(default=(-1, {}, {}), repr=False)
-    # (``_chain``) GEMV runners' chains for this handle (``chain.build``), by ``id(runner)``:
-    # ``(runner, arena version, chain or None)`` (the runner kept, so that its id stays its own)
+    # (``_chain``) runners' chains for this handle (``chain.build``), by ``chain_key``: ``(runner, arena
+    # version, chain or None)`` (the runner kept, so that its id stays its own)
     chains: dict = dataclasses.field(default_factory=dict, repr=False)
     # (``run``) the chains of the calls that take one whatever the capture state, by token count:
     # filled by such calls, emptied whenever the shared plans or their arena change (``GeometryPlans.changed``)
@@ -144,11 +144,12 @@ def prepare(spec) -> State:
                 _warm(state, cap)
                 progress.step(f"{cap} tokens")
             torch.cuda.synchronize(g.device)
-    if _CH.ENABLED and not P.INTERPRET:  # (each GEMV plan's chain for this handle: compiled, warmed above)
+    if _CH.ENABLED and not P.INTERPRET:  # (each plan's chain for this handle, the blocked path's for the
+        # plan's own count: compiled, warmed above)
         for cap in spec.capacities:
             for rn in (shared.runners[cap], shared.eager_runners.get(cap)):
-                if rn is not None and rn.cfg.gemv:
-                    _chain(state, rn)
+                if rn is not None:
+                    _chain(state, rn, cap)
     if frozen and not P.INTERPRET:
         for ln in shared.launches.values():
             ln.frozen = True
@@ -186,13 +187,15 @@ def _warm(state, cap):
         gp.changed()
 
 
-def _issue(state, rn, x, ids, w, out) -> bool:
+def _issue(state, rn, x, ids, w, out):
     """One call of runner ``rn`` (``run``'s, unless it goes in slot chunks; prepare's timing of the eager
-    forms): by its chain where it has one (True), else launch by launch."""
-    if rn.cfg.gemv and _CH.ENABLED and _chained(state, rn, x, ids, w, out):
-        return True
+    forms): by its chain where it has one (the chain), else launch by launch (None)."""
+    if _CH.ENABLED:
+        blob = _chained(state, rn, x, ids, w, out)
+        if blob is not None:
+            return blob
     _launch(state, rn, x, ids, w, out, _ALL)
-    return False
+    return None
 
 
 def _eager_seconds(fn, calls=20, reps=3) -> float:
@@ -339,19 +342,20 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
             e = min(s + step, m)
             _launch(state, rn, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e], _ALL)
         return
-    if _issue(state, rn, x, topk_ids, topk_weights, out) and gp.eager_runners.get(gp.cap_for(m)) is None:
-        state.fast[m] = state.chains[id(rn)][2]  # (the same launches captured or not: the next call goes straight)
+    blob = _issue(state, rn, x, topk_ids, topk_weights, out)
+    if blob is not None and gp.eager_runners.get(gp.cap_for(m)) is None:
+        state.fast[m] = blob  # (the same launches captured or not: the next call goes straight)
 
 
-def _chained(state, rn, x, topk_ids, topk_weights, out) -> bool:
-    """Launch GEMV runner ``rn``'s kernels for this call by its chain (``chain.py``: one C call);
-    False (nothing launched) where there is none: not built (kernels not yet compiled, which under
-    the interpreter they never are; no C module; a kernel it cannot pass) or launch hooks to call (a
-    profiler: triton's launcher calls them)."""
-    blob = _chain(state, rn)
+def _chained(state, rn, x, topk_ids, topk_weights, out):
+    """Launch runner ``rn``'s kernels for this call by its chain (``chain.py``: one C call) and return the
+    chain; None (nothing launched) where there is none: not built (kernels not yet compiled, which under
+    the interpreter they never are; no C module; a kernel it cannot pass; the handle's chains of the
+    blocked path at their bound) or launch hooks to call (a profiler: triton's launcher calls them)."""
+    blob = _chain(state, rn, x.shape[0])
     if blob is None or blob is _NOT_YET or _hooked():
-        return False
-    return _launch_chain(blob, x, topk_ids, topk_weights, out)
+        return None
+    return blob if _launch_chain(blob, x, topk_ids, topk_weights, out) else None
 
 
 def _hooked() -> bool:
@@ -372,22 +376,41 @@ def _launch_chain(blob, x, ids, w, out) -> bool:
                           1 if x.dtype is _F16 else 0, 1 if out.dtype is _F16 else 0)
 
 
-def _chain(state, rn):
-    """GEMV runner ``rn``'s chain for ``state`` at the arena's current version: made at prepare, made
-    again only after a later prepare grew the arena (``_build_chain``)."""
+def chain_key(rn, m: int):
+    """Where ``State.chains`` keeps runner ``rn``'s chain for calls of ``m`` tokens: a GEMV runner's grids
+    are linear in M (one chain serves all its counts), the blocked path's are not (one chain a count)."""
+    return id(rn) if rn.cfg.gemv else (id(rn), m)
+
+
+# (a handle's chains of the blocked path, one per token count its eager calls have seen; beyond this many,
+# counts without one go through triton's launcher: about 1 KB a chain)
+MAX_BLOCKED_CHAINS = 2048
+
+
+def _chain(state, rn, m: int):
+    """Runner ``rn``'s chain for ``state`` and calls of ``m`` tokens at the arena's current version: a GEMV
+    runner's made at prepare, a blocked one's at prepare for its planned count and at the first eager call
+    of any other; made again only after a later prepare grew the arena (``_build_chain``)."""
     ver = state.plans.arena.version
-    ch = state.chains.get(id(rn))
+    key = chain_key(rn, m)
+    ch = state.chains.get(key)
     if ch is not None and ch[1] == ver:
         return ch[2]
-    blob = _build_chain(state, rn)
+    if not rn.cfg.gemv and len(state.chains) >= MAX_BLOCKED_CHAINS:
+        for k in [k for k, c in state.chains.items() if c[1] != ver]:  # (chains of buffers since replaced)
+            del state.chains[k]
+        if len(state.chains) >= MAX_BLOCKED_CHAINS:
+            return None
+    blob = _build_chain(state, rn, m)
     if blob is not _NOT_YET:
-        state.chains[id(rn)] = (rn, ver, blob)
+        state.chains[key] = (rn, ver, blob)
     return blob
 
 
-def _build_chain(state, rn):
-    """GEMV runner ``rn``'s chain for ``state`` (``chain.build``), None where it has none, ``_NOT_YET``
-    while its kernels are not all compiled (the first, compiling calls go through ``_launch``)."""
+def _build_chain(state, rn, m: int):
+    """Runner ``rn``'s chain for ``state`` (``chain.build``; a blocked runner's for calls of ``m`` tokens),
+    None where it has none, ``_NOT_YET`` while its kernels are not all compiled (the first, compiling
+    calls go through ``_launch``)."""
     global _CH_MOD, _P, _KNOBS
     from . import plan as P
 
@@ -395,7 +418,10 @@ def _build_chain(state, rn):
     cfg = rn.cfg
     if cfg.fused:  # (one launch already: triton's launcher; its grid is not linear in M)
         return None
-    used = [rn.gemm1, rn.gemm2] + ([rn.prologue] if cfg.xq else [])
+    if cfg.gemv:
+        used = [rn.gemm1, rn.gemm2] + ([rn.prologue] if cfg.xq else [])
+    else:
+        used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
     if any(ln is None or ln.compiled is None for ln in used):
         return _NOT_YET
     _CH_MOD = _CH.module()
@@ -403,9 +429,8 @@ def _build_chain(state, rn):
         return None
     tens, addr = _operands(state)
     v = _CH.placeholders()  # (VALUES: x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind, so, x_fp16, out_fp16)
-    return _CH.build(_gemv_launches(state, rn, tens, addr, v["x"], v["ids"], v["w"], v["out"], v["m"], v["sx"],
-                                    v["si0"], v["si1"], v["sw0"], v["sw1"], v["w_kind"], v["so"], v["x_fp16"],
-                                    v["out_fp16"]))
+    args = (state, rn, tens, addr, *(v[n] for n in _CH.VALUES))
+    return _CH.build(_gemv_launches(*args) if cfg.gemv else _blocked_launches(*args, tokens=m))
 
 
 _ALL = ("prologue", "gemm1", "gemm2", "finalize")
@@ -530,50 +555,62 @@ def _gemv_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw0, 
 def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
     tens, addr = _operands(state)
     m = x.shape[0]
-    cfg = rn.cfg
-    top_k = state.plans.geometry.top_k
-    S = m * top_k
     sx = x.stride()[0]
     x_fp16 = 1 if x.dtype is _F16 else 0
     so, out_fp16 = out.stride()[0], 1 if out.dtype is _F16 else 0
-    if cfg.gemv:  # one launch (fused), two, or three with x quantized first; no routing pass (kernels.gemv1_kernel)
+    if rn.cfg.gemv or "prologue" in stages:  # (the routing as the kernels' words: read by the GEMV kernels and
+        # the prologue alone)
         ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
-        for ln, grid, args in _gemv_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind,
-                                             so, x_fp16, out_fp16, stages):
-            ln(grid, *args)
-        return
-    nb = rn.blocks(S)
+    else:
+        ids, w, si0, si1, sw0, sw1, w_kind = topk_ids, topk_weights, 0, 0, 0, 0, 0
+    make = _gemv_launches if rn.cfg.gemv else _blocked_launches
+    for ln, grid, args in make(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind, so, x_fp16,
+                               out_fp16, stages):
+        ln(grid, *args)
+
+
+def _blocked_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind, so, x_fp16,
+                      out_fp16, stages=_ALL, tokens=None) -> list:
+    """The blocked path's launches of ``stages`` (routing prologue, GEMM1, GEMM2, finalize) as ``(launch, grid,
+    args)``, as ``_gemv_launches``; ``tokens``: the call's token count where ``m`` is a ``chain.Var`` (the
+    grids and the block count follow it, not linearly: a chain of this path serves one token count)."""
+    cfg = rn.cfg
+    t = m if tokens is None else tokens
+    top_k = state.plans.geometry.top_k
+    nb = rn.blocks(t * top_k)
     dst = "acc" if cfg.atomic else "slots"
+    out_l = []
     if "prologue" in stages:
-        ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(topk_ids, topk_weights)
         ln = rn.prologue
         o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
-        ln((rn.prologue_programs(m, top_k), 1, 1),
-           I, W, X, o["xq"], o["acc"], o["lid"], o["wts"], o["sorted"], o["blk_expert"], o["blk_rows"],
-           o["route_cnt"], o["route_key"], o["route_off"], m, si0, si1, sw0, sw1, sx, state.expert_offset, nb, w_kind,
-           x_fp16)
+        out_l.append((ln, (rn.prologue_programs(t, top_k), 1, 1),
+                      (I, W, X, o["xq"], o["acc"], o["lid"], o["wts"], o["sorted"], o["blk_expert"], o["blk_rows"],
+                       o["route_cnt"], o["route_key"], o["route_off"], m, si0, si1, sw0, sw1, sx, state.expert_offset,
+                       nb, w_kind, x_fp16)))
     if "gemm1" in stages:
         ln = rn.gemm1
         o = _ops(ln, tens, addr)
         if cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked: plan.acc_zero_mode)
             p1 = nb * rn.n_tiles1
-            ln((p1, 1, 1),
-               o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"], o["act"],
-               o["acc"], nb, state.limit, -(-m // p1), m)
+            out_l.append((ln, (p1, 1, 1),
+                          (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"],
+                           o["act"], o["acc"], nb, state.limit, -(-t // p1), m)))
         else:
-            ln((nb * rn.n_tiles1, 1, 1),
-               o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"], o["act"], nb,
-               state.limit)
+            out_l.append((ln, (nb * rn.n_tiles1, 1, 1),
+                          (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"],
+                           o["act"], nb, state.limit)))
     if "gemm2" in stages:
         ln = rn.gemm2
         o = _ops(ln, tens, addr)
-        ln((nb * rn.n_tiles2, 1, 1),
-           o["act"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w2"], o["w2_scale"], o["g2"], o["wts"], o[dst], nb)
+        out_l.append((ln, (nb * rn.n_tiles2, 1, 1),
+                      (o["act"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w2"], o["w2_scale"], o["g2"], o["wts"],
+                       o[dst], nb)))
     if "finalize" in stages:
         ln = rn.finalize
         o = _ops(ln, tens, addr)
-        ln((-(-m // rn.finalize_rows), rn.n_tiles_fin, 1),
-           o[dst], o["lid"], out if ln.compiled is not None else out.view(_I16), m, so, out_fp16)
+        out_l.append((ln, (-(-t // rn.finalize_rows), rn.n_tiles_fin, 1),
+                      (o[dst], o["lid"], out if ln.compiled is not None else out.view(_I16), m, so, out_fp16)))
+    return out_l
 
 
 def scratch_estimate(geometry, capacities, gemv=None) -> int:

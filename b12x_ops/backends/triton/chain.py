@@ -1,23 +1,25 @@
-"""One C call that launches a GEMV call's kernels (the small-M path's host cost).
+"""One C call that launches an eager call's kernels (the host's cost of a call).
 
-At one to a few tokens the GPU runs a GEMV call's two or three kernels in 15-30 us, about what the
-host takes to issue them through triton's launcher: per launch a Python frame, triton's argument
-parsing (some 20-30 arguments a kernel) and ``cuLaunchKernelEx``. Eager calls there are paced by
-the host (a call being captured into a CUDA graph takes the same path, where it makes no
-difference). A *chain* is the call's launches written down once per handle and plan as 64-bit words
-(``build``): each kernel's function handle, block, shared memory, PDL flag and every kernel
-parameter, either fixed (the handle's and arena's addresses, the expert offset, the limit) or one
-of the call's own values times a factor (x's, the ids', the weights' and out's addresses, M, the
-strides, the dtype flags). A call then passes those values to ``launch``, one C function (built at
-prepare by triton's own C build, ``module``) that packs the parameters and calls
-``cuLaunchKernelEx`` for each kernel.
+Through triton's launcher a launch costs a Python frame, triton's argument parsing (some 10-30
+arguments a kernel) and ``cuLaunchKernelEx``. At one to a few tokens the GPU runs a GEMV call's two
+or three kernels in 15-30 us, about what the host takes to issue them that way, so eager calls
+there are paced by the host; on the blocked path (four kernels) the host's time before the first
+kernel is what a call from an idle GPU waits (a call being captured into a CUDA graph takes the same
+path, where it makes no difference). A *chain* is the call's launches written down once per handle
+and plan as 64-bit words (``build``): each kernel's function handle, block, shared memory, PDL flag
+and every kernel parameter, either fixed (the handle's and arena's addresses, the expert offset, the
+limit; on the blocked path also the grids and the block count, which follow the token count but
+not linearly, so there a chain serves one token count) or one of the call's own values times a
+factor (x's, the ids', the weights' and out's addresses, M, the strides, the dtype flags). A call
+then passes those values to ``launch``, one C function (built at prepare by triton's own C build,
+``module``) that packs the parameters and calls ``cuLaunchKernelEx`` for each kernel.
 
 The parameters are exactly the ones triton's launcher passes: the compiled kernel's signature in
 order, constexprs left out, then its two scratch pointers (null: a chain is only built for kernels
 that need no scratch). ``build`` takes the argument lists from the backend's own code for the
-GEMV launches (``_gemv_launches``) with the call's values as ``Var`` placeholders, so the two
-paths cannot disagree on an argument; ``pack`` (the same C walk without the driver) is how the
-tests check the packed bytes against that code's arguments.
+launches (``_gemv_launches``, ``_blocked_launches``) with the call's values as ``Var`` placeholders,
+so the two paths cannot disagree on an argument; ``pack`` (the same C walk without the driver) is
+how the tests check the packed bytes against that code's arguments.
 
 ``B12X_OPS_TRITON_CHAIN=0`` turns chains off (every call through triton's launcher).
 """
@@ -246,11 +248,12 @@ def module():
 
 
 def status() -> str:
-    """How an eager GEMV call reaches the driver (``b12x-ops info``)."""
+    """How an eager call's kernels reach the driver (``b12x-ops info``)."""
     if not ENABLED:
         return "through triton's launcher, a launch at a time (B12X_OPS_TRITON_CHAIN=0)"
-    return ("one C call launches the call's kernels (a chain, built at prepare; later calls of a token count "
-            "go straight to it; B12X_OPS_TRITON_CHAIN=0 turns it off)")
+    return ("one C call launches the call's kernels (a chain, built at prepare for the planned token counts, "
+            "on the blocked path at the first eager call of any other; later calls of a token count go straight "
+            "to it; B12X_OPS_TRITON_CHAIN=0 turns it off)")
 
 
 class Var:
