@@ -404,8 +404,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
         eager_rn = h0._state.plans.runner_for(M, lambda: False)
         eager_fused = bool(eager_rn.cfg.fused)
         # ... and whether its launches went out by one C call (backends/triton/chain.py), as the calls above did
-        from b12x_ops.backends.triton import chain_key
-        eager_chained = bool((getattr(h0._state, "chains", {}).get(chain_key(eager_rn, M)) or (None, 0, None))[2])
+        eager_chained = bool((getattr(h0._state, "chains", {}).get(id(eager_rn)) or (None, 0, None))[2])
         # host cost of issuing one call: few enough calls that the launch queue never fills
         host = host_time(lambda: b12x_ops.moe_w4a8_out(x0, i0, w0, h0, o0))
         if args.diagnose and M == min(args.sizes):

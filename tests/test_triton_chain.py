@@ -59,7 +59,7 @@ def test_chain_var_placeholders_scale():
     from b12x_ops.backends.triton import chain
 
     v = chain.placeholders()
-    assert list(v) == list(chain.VALUES)
+    assert list(v) == list(chain.VALUES + chain.SIZES)
     s = v["m"] * 8 * 3
     assert (s.i, s.k) == (chain.VALUES.index("m"), 24)
     assert chain._word(s) == (chain.VALUES.index("m"), 24)
@@ -143,14 +143,15 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
                                                        ("gpt-oss-120b", 512, True, None), ("qwen3-30b-a3b", 2048, True, None),
                                                        ("dsv4.1-tp4", 300, True, False)])
 def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, tokens, gluon, atomic):
-    """The blocked path's chain (one per token count: its grids and block count are fixed words) packs,
-    kernel by kernel, the bytes triton's launcher would pass for ``_blocked_launches``' arguments at that
-    count: the tl.dot GEMMs and the Gluon ones (sm_90's), atomic and row-a-slot GEMM2s."""
+    """The blocked path's chain packs, kernel by kernel, the bytes triton's launcher would pass for
+    ``_blocked_launches``' arguments, at every token count its plan serves: the grids and the block
+    count come from the call's sizes (``_blocked_sizes``, after ``chain.VALUES``); the tl.dot GEMMs
+    and the Gluon ones (sm_90's), atomic and row-a-slot GEMM2s."""
     import dataclasses
 
     import triton
 
-    from b12x_ops.backends.triton import _blocked_launches, chain
+    from b12x_ops.backends.triton import _blocked_launches, _blocked_sizes, chain
     from b12x_ops.backends.triton import gluon_kernels as GK
     from b12x_ops.backends.triton import plan as P
 
@@ -172,24 +173,28 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
     state = types.SimpleNamespace(plans=gp, expert_offset=11, limit=float(g.swiglu_limit or 0.0))
     addr = _Addresses()
     v = chain.placeholders()
-    blob = chain.build(_blocked_launches(state, rn, {}, addr, *(v[n] for n in chain.VALUES), tokens=tokens))
+    blob = chain.build(_blocked_launches(state, rn, {}, addr, *(v[n] for n in chain.VALUES),
+                                         sizes=tuple(v[n] for n in chain.SIZES)))
     assert blob is not None
     rng = random.Random(tokens)
-    for _ in range(10):
+    for m in sorted({1, 2, tokens // 3 + 1, tokens - 1, tokens} | {rng.randint(1, tokens) for _ in range(5)}):
         call = dict(x=0x7100_0000_0000 + 16 * rng.randrange(1 << 20), ids=0x7200_0000_0000 + 4 * rng.randrange(1 << 20),
                     w=0x7300_0000_0000 + 2 * rng.randrange(1 << 20), out=0x7400_0000_0000 + 16 * rng.randrange(1 << 20),
-                    m=tokens, sx=rng.choice([g.hidden_size, 2 * g.hidden_size + 64]),
+                    m=m, sx=rng.choice([g.hidden_size, 2 * g.hidden_size + 64]),
                     si0=rng.choice([g.top_k, 2 * g.top_k, 3]), si1=rng.choice([1, 2]), sw0=rng.choice([g.top_k, 7]),
                     sw1=rng.choice([1, 2]), w_kind=rng.randrange(3), so=rng.choice([g.hidden_size, 4 * g.hidden_size]),
                     x_fp16=rng.randrange(2), out_fp16=rng.randrange(2))
-        got = chain_mod.pack(blob, *(call[n] for n in chain.VALUES))
+        sizes = _blocked_sizes(rn, m, g.top_k)
+        with pytest.raises(ValueError, match="malformed chain"):  # (a blocked chain needs the sizes)
+            chain_mod.pack(blob, *(call[n] for n in chain.VALUES))
+        got = chain_mod.pack(blob, *(call[n] for n in chain.VALUES), *sizes)
         want = _blocked_launches(state, rn, {}, addr, *(call[n] for n in chain.VALUES))
         assert [ln.fn.__name__ for ln, _, _ in want][1:3] == [f"gemm{i}_{'gluon_' if on else ''}kernel"
                                                               for i, on in ((1, cfg.gluon), (2, cfg.gluon2))]
         assert len(got) == len(want) == 4
         for (fn, grid, threads, shared, pdl, params), (ln, wgrid, args) in zip(got, want):
             ck = ln.compiled
-            assert fn == ln._function and grid == tuple(wgrid) and min(grid) >= 1
+            assert fn == ln._function and grid == tuple(wgrid) and min(grid) >= 1, (m, ln.fn.__name__)
             assert (threads, shared, pdl) == (32 * ck.metadata.num_warps, ck.metadata.shared,
                                               int(bool(ck.metadata.launch_pdl)))
-            assert params == _expected(ck.src.signature, ln.fn.arg_names, tuple(args) + ln._tail), ln.fn.__name__
+            assert params == _expected(ck.src.signature, ln.fn.arg_names, tuple(args) + ln._tail), (m, ln.fn.__name__)

@@ -116,12 +116,12 @@ def _either_way(layer, h, ref, gp, direct):
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "gpt-oss-120b", "odd-ep"])
 def test_gpu_eager_blocked_calls_launch_by_their_chain_with_the_launches_bits(name):
     """An eager call on the blocked path launches its four kernels by one C call (a chain of its own token
-    count, ``chain_key``), not through triton's launcher (made to fail here), and leaves the chain in the
-    handle's fast path, by which the next call goes; in deterministic mode both write the bits the
+    count's sizes as values, ``_blocked_sizes``), not through triton's launcher (made to fail here), and leaves
+    the chain in the handle's fast path, by which the next call goes; in deterministic mode both write the bits the
     launches write (chains off) and a captured call's replay writes; the atomic default matches the
     reference. Token counts of 16- to 128-row blocks (the tl.dot and the Gluon GEMMs), int32/int64 ids,
     fp32/bf16/fp16 weights, strided routing, fp16 x, padding and foreign ids."""
-    from b12x_ops.backends.triton import chain, chain_key
+    from b12x_ops.backends.triton import _blocked_sizes, chain
 
     assert chain.ENABLED and chain.module() is not None
     ran = 0
@@ -148,8 +148,8 @@ def test_gpu_eager_blocked_calls_launch_by_their_chain_with_the_launches_bits(na
                     ln._direct, ln._run = None, boom
                 state.fast.pop(M, None)
                 chained = b12x_ops.moe_w4a8(x, ids, w, h)
-                blob = state.chains[chain_key(rn, M)][2]
-                assert blob is not None and state.fast.get(M) is blob, (name, M)  # (left in the fast path)
+                blob = state.chains[id(rn)][2]
+                assert blob is not None and state.fast.get(M) == (blob, _blocked_sizes(rn, M, layer.top_k)), (name, M)
                 again = b12x_ops.moe_w4a8(x, ids, w, h)  # (straight to the chain)
             finally:
                 for ln, d, r in saved:
@@ -223,7 +223,8 @@ def test_gpu_eager_gemv_calls_launch_by_their_chain_with_the_launches_bits(name)
                 ran += 1
                 continue
             chained = b12x_ops.moe_w4a8(x, ids, w, h)
-            assert state.fast.get(M) is state.chains[id(rn)][2] is not None, M  # (left in the fast path)
+            assert state.fast.get(M) == (state.chains[id(rn)][2], ()) and state.fast[M][0] is not None, M  # (left in
+            # the fast path)
             again = b12x_ops.moe_w4a8(x, ids, w, h)  # (straight to the chain)
         finally:
             for ln, d, r in saved:

@@ -917,7 +917,7 @@ def test_interp_eager_calls_go_straight_to_their_chain_until_the_plans_change(mo
             launched = []
             monkeypatch.setattr(T, "_launch", lambda *a: launched.append(a))
             b12x_ops.moe_w4a8_out(x, ids, w, h, out)
-            assert st.fast.get(M) == f"chain {M}".encode()
+            assert st.fast.get(M) == (f"chain {M}".encode(), ())
             b12x_ops.moe_w4a8_out(x, ids, w, h, out)  # (by the fast path)
             assert not launched and len(calls) == 2
             i_w, (si0, si1), w_w, (sw0, sw1), kind = T._raw_routing(ids, w)
@@ -956,12 +956,13 @@ def test_interp_eager_calls_go_straight_to_their_chain_until_the_plans_change(mo
 
 
 @inner
-def test_interp_blocked_calls_take_one_chain_a_token_count(monkeypatch):
-    """On the blocked path a chain serves one token count (its grids and block count are fixed words):
-    a runner's calls of 5 and of 6 tokens each build their own chain (``chain_key``), from
-    ``_blocked_launches`` at that count, and leave it in the fast path; past ``MAX_BLOCKED_CHAINS`` a
-    count without one goes through triton's launcher (``_launch``). The chains' bytes and the C call
-    are stubbed (``test_triton_chain.py`` checks the bytes a blocked chain packs)."""
+def test_interp_blocked_calls_pass_their_sizes_to_one_chain(monkeypatch):
+    """On the blocked path one chain serves a runner's token counts: its grids and block count, not linear
+    in M, are values of the call (``_blocked_sizes``, ``chain.SIZES``) that the chain takes after
+    ``chain.VALUES``. Calls of 5 and of 6 tokens launch the same chain, each with its own sizes, and the
+    fast path keeps them by token count; the chain is built once, from ``_blocked_launches`` with the
+    sizes as placeholders. The chain's bytes and the C call are stubbed (``test_triton_chain.py``
+    checks the bytes a blocked chain packs)."""
     import types
 
     from b12x_ops.backends import triton as T
@@ -970,14 +971,14 @@ def test_interp_blocked_calls_take_one_chain_a_token_count(monkeypatch):
     h = layer.prepare(backend="triton", max_tokens=8, gemv=False)
     st = h._state
     gp = st.plans
-    calls, built, launched = [], [], []
+    calls, built = [], []
     monkeypatch.setattr(T, "_CH_MOD", types.SimpleNamespace(launch=lambda blob, *v: calls.append((blob,) + v) or True))
     monkeypatch.setattr(T, "_P", P)
     monkeypatch.setattr(T, "_KNOBS", P._RUNTIME_KNOBS)
     monkeypatch.setattr(P, "_raw_stream", lambda dev: 77)
     monkeypatch.setattr(P, "_current_device", lambda: 0)
 
-    def build(state, rn, m):
+    def build(state, rn):
         assert not rn.cfg.gemv and state is st
         v = T._CH.placeholders()
         used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
@@ -985,33 +986,38 @@ def test_interp_blocked_calls_take_one_chain_a_token_count(monkeypatch):
         try:  # (as compiled launches take them: the call's values as they are, the operands as addresses)
             for ln in used:
                 ln.compiled = object()
-            launches = T._blocked_launches(state, rn, *T._operands(state), *(v[n] for n in T._CH.VALUES), tokens=m)
+            launches = T._blocked_launches(state, rn, *T._operands(state), *(v[n] for n in T._CH.VALUES),
+                                           sizes=tuple(v[n] for n in T._CH.SIZES))
         finally:
             for ln, c in zip(used, saved):
                 ln.compiled = c
-        assert launches[3][2][2] is v["out"] and launches[0][2][13] is v["m"]
-        assert [ln for ln, _, _ in launches] == [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
-        assert launches[2][1] == (rn.blocks(m * 3) * rn.n_tiles2, 1, 1)  # (the count's own grid)
-        built.append(m)
-        return f"chain {m}".encode()
+        assert [ln for ln, _, _ in launches] == used
+        assert [grid[0] for _, grid, _ in launches] == [v["g_pro"], v["g1"], v["g2"], v["g_fin"]]
+        assert launches[3][2][2] is v["out"] and launches[0][2][13] is v["m"] and launches[2][2][-1] is v["nb"]
+        built.append(rn)
+        return b"blocked chain"
 
     monkeypatch.setattr(T, "_build_chain", build)
+    launched = []
     monkeypatch.setattr(T, "_launch", lambda *a: launched.append(a[0:2]))
-    monkeypatch.setattr(T, "MAX_BLOCKED_CHAINS", 2)
     st.chains.clear()
     st.fast.clear()
     rn = gp.runner_for(6)
     assert gp.runner_for(5) is rn and not rn.cfg.gemv
+    n_values = len(T._CH.VALUES)
     for M in (5, 6, 5, 6):
         x, ids, w = make_batch(layer, M, seed=M)
         b12x_ops.moe_w4a8(x, ids, w, h)
-        assert st.fast.get(M) == f"chain {M}".encode() and calls[-1][0] == st.fast[M]
-        assert calls[-1][6] == M and calls[-1][2] == x.data_ptr()  # (the call's own values)
-    assert built == [5, 6] and not launched and len(calls) == 4
-    assert set(st.chains) == {T.chain_key(rn, 5), T.chain_key(rn, 6)} and T.chain_key(rn, 5) != T.chain_key(rn, 6)
-    x, ids, w = make_batch(layer, 7, seed=7)  # (a third count past the bound: the launcher)
-    b12x_ops.moe_w4a8(x, ids, w, h)
-    assert built == [5, 6] and len(launched) == 1 and 7 not in st.fast and len(calls) == 4
+        sizes = T._blocked_sizes(rn, M, 3)
+        assert st.fast.get(M) == (b"blocked chain", sizes)
+        got = calls[-1]
+        assert got[0] == b"blocked chain" and got[1] == 77 and got[2] == x.data_ptr() and got[6] == M
+        assert got[2 + n_values:] == sizes and len(sizes) == len(T._CH.SIZES)
+    assert built == [rn] and not launched and len(calls) == 4
+    assert T._blocked_sizes(rn, 5, 3) != T._blocked_sizes(rn, 6, 3)  # (the prologue's programs differ at least)
+    nb, g_pro, g1, g2, zrows, g_fin = T._blocked_sizes(rn, 6, 3)
+    assert (nb, g_pro, g1, g2, g_fin) == (rn.blocks(18), rn.prologue_programs(6, 3), nb * rn.n_tiles1,
+                                          nb * rn.n_tiles2, -(-6 // rn.finalize_rows)) and zrows * g1 >= 6
 
 
 @inner

@@ -83,10 +83,11 @@ class State:
     # (``_operands``) the handle's tensors and its arena's buffers by name, as tensors and as
     # addresses, made for the arena version it names
     operands: tuple = dataclasses.field(default=(-1, {}, {}), repr=False)
-    # (``_chain``) runners' chains for this handle (``chain.build``), by ``chain_key``: ``(runner, arena
+    # (``_chain``) runners' chains for this handle (``chain.build``), by ``id(runner)``: ``(runner, arena
     # version, chain or None)`` (the runner kept, so that its id stays its own)
     chains: dict = dataclasses.field(default_factory=dict, repr=False)
-    # (``run``) the chains of the calls that take one whatever the capture state, by token count:
+    # (``run``) the chains of the calls that take one whatever the capture state, by token count, with the
+    # blocked path's sizes at that count (``_blocked_sizes``; none on the GEMV path): ``(chain, sizes)``,
     # filled by such calls, emptied whenever the shared plans or their arena change (``GeometryPlans.changed``)
     fast: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -144,12 +145,11 @@ def prepare(spec) -> State:
                 _warm(state, cap)
                 progress.step(f"{cap} tokens")
             torch.cuda.synchronize(g.device)
-    if _CH.ENABLED and not P.INTERPRET:  # (each plan's chain for this handle, the blocked path's for the
-        # plan's own count: compiled, warmed above)
+    if _CH.ENABLED and not P.INTERPRET:  # (each plan's chain for this handle: compiled, warmed above)
         for cap in spec.capacities:
             for rn in (shared.runners[cap], shared.eager_runners.get(cap)):
                 if rn is not None:
-                    _chain(state, rn, cap)
+                    _chain(state, rn)
     if frozen and not P.INTERPRET:
         for ln in shared.launches.values():
             ln.frozen = True
@@ -189,11 +189,12 @@ def _warm(state, cap):
 
 def _issue(state, rn, x, ids, w, out):
     """One call of runner ``rn`` (``run``'s, unless it goes in slot chunks; prepare's timing of the eager
-    forms): by its chain where it has one (the chain), else launch by launch (None)."""
+    forms): by its chain where it has one (returns ``(chain, sizes)``, ``_chained``), else launch by
+    launch (None)."""
     if _CH.ENABLED:
-        blob = _chained(state, rn, x, ids, w, out)
-        if blob is not None:
-            return blob
+        fast = _chained(state, rn, x, ids, w, out)
+        if fast is not None:
+            return fast
     _launch(state, rn, x, ids, w, out, _ALL)
     return None
 
@@ -328,8 +329,8 @@ def _tune_one(state, cap):
 
 def run(state, x, topk_ids, topk_weights, out) -> None:
     m = x.shape[0]
-    blob = state.fast.get(m)
-    if blob is not None and _CH.ENABLED and not _hooked() and _launch_chain(blob, x, topk_ids, topk_weights, out):
+    fast = state.fast.get(m)
+    if fast is not None and _CH.ENABLED and not _hooked() and _launch_chain(fast, x, topk_ids, topk_weights, out):
         return  # (straight to the chain: the host time of a few-token eager call is most of its time)
     if m == 0:
         return
@@ -342,20 +343,22 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
             e = min(s + step, m)
             _launch(state, rn, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e], _ALL)
         return
-    blob = _issue(state, rn, x, topk_ids, topk_weights, out)
-    if blob is not None and gp.eager_runners.get(gp.cap_for(m)) is None:
-        state.fast[m] = blob  # (the same launches captured or not: the next call goes straight)
+    fast = _issue(state, rn, x, topk_ids, topk_weights, out)
+    if fast is not None and gp.eager_runners.get(gp.cap_for(m)) is None:
+        state.fast[m] = fast  # (the same launches captured or not: the next call goes straight)
 
 
 def _chained(state, rn, x, topk_ids, topk_weights, out):
-    """Launch runner ``rn``'s kernels for this call by its chain (``chain.py``: one C call) and return the
-    chain; None (nothing launched) where there is none: not built (kernels not yet compiled, which under
-    the interpreter they never are; no C module; a kernel it cannot pass; the handle's chains of the
-    blocked path at their bound) or launch hooks to call (a profiler: triton's launcher calls them)."""
-    blob = _chain(state, rn, x.shape[0])
+    """Launch runner ``rn``'s kernels for this call by its chain (``chain.py``: one C call) and return
+    ``(chain, sizes)`` (the blocked path's sizes at this token count, ``_blocked_sizes``; none on the GEMV
+    path), what the fast path keeps; None (nothing launched) where there is none: not built (kernels not
+    yet compiled, which under the interpreter they never are; no C module; a kernel it cannot pass) or
+    launch hooks to call (a profiler: triton's launcher calls them)."""
+    blob = _chain(state, rn)
     if blob is None or blob is _NOT_YET or _hooked():
         return None
-    return blob if _launch_chain(blob, x, topk_ids, topk_weights, out) else None
+    fast = (blob, () if rn.cfg.gemv else _blocked_sizes(rn, x.shape[0], state.plans.geometry.top_k))
+    return fast if _launch_chain(fast, x, topk_ids, topk_weights, out) else None
 
 
 def _hooked() -> bool:
@@ -365,52 +368,33 @@ def _hooked() -> bool:
                               or _P._active(k.launch_exit_hook) is not None)
 
 
-def _launch_chain(blob, x, ids, w, out) -> bool:
-    """The call's launches by chain ``blob``: its values (``chain.VALUES``) from the call's tensors (the
-    routing as ``_raw_routing``'s words). False (nothing launched) where the thread has no CUDA context
-    yet (triton's launcher makes one)."""
+def _launch_chain(fast, x, ids, w, out) -> bool:
+    """The call's launches by ``fast = (chain, sizes)``: its values (``chain.VALUES``) from the call's tensors
+    (the routing as ``_raw_routing``'s words), then ``sizes`` (``chain.SIZES``, the blocked path's). False
+    (nothing launched) where the thread has no CUDA context yet (triton's launcher makes one)."""
     ids, (si0, si1), w, (sw0, sw1), w_kind = _raw_routing(ids, w)
     P = _P
-    return _CH_MOD.launch(blob, P._raw_stream(P._current_device()), x.data_ptr(), ids.data_ptr(), w.data_ptr(),
+    return _CH_MOD.launch(fast[0], P._raw_stream(P._current_device()), x.data_ptr(), ids.data_ptr(), w.data_ptr(),
                           out.data_ptr(), x.shape[0], x.stride()[0], si0, si1, sw0, sw1, w_kind, out.stride()[0],
-                          1 if x.dtype is _F16 else 0, 1 if out.dtype is _F16 else 0)
+                          1 if x.dtype is _F16 else 0, 1 if out.dtype is _F16 else 0, *fast[1])
 
 
-def chain_key(rn, m: int):
-    """Where ``State.chains`` keeps runner ``rn``'s chain for calls of ``m`` tokens: a GEMV runner's grids
-    are linear in M (one chain serves all its counts), the blocked path's are not (one chain a count)."""
-    return id(rn) if rn.cfg.gemv else (id(rn), m)
-
-
-# (a handle's chains of the blocked path, one per token count its eager calls have seen; beyond this many,
-# counts without one go through triton's launcher: about 1 KB a chain)
-MAX_BLOCKED_CHAINS = 2048
-
-
-def _chain(state, rn, m: int):
-    """Runner ``rn``'s chain for ``state`` and calls of ``m`` tokens at the arena's current version: a GEMV
-    runner's made at prepare, a blocked one's at prepare for its planned count and at the first eager call
-    of any other; made again only after a later prepare grew the arena (``_build_chain``)."""
+def _chain(state, rn):
+    """Runner ``rn``'s chain for ``state`` at the arena's current version: made at prepare, made again only
+    after a later prepare grew the arena (``_build_chain``)."""
     ver = state.plans.arena.version
-    key = chain_key(rn, m)
-    ch = state.chains.get(key)
+    ch = state.chains.get(id(rn))
     if ch is not None and ch[1] == ver:
         return ch[2]
-    if not rn.cfg.gemv and len(state.chains) >= MAX_BLOCKED_CHAINS:
-        for k in [k for k, c in state.chains.items() if c[1] != ver]:  # (chains of buffers since replaced)
-            del state.chains[k]
-        if len(state.chains) >= MAX_BLOCKED_CHAINS:
-            return None
-    blob = _build_chain(state, rn, m)
+    blob = _build_chain(state, rn)
     if blob is not _NOT_YET:
-        state.chains[key] = (rn, ver, blob)
+        state.chains[id(rn)] = (rn, ver, blob)
     return blob
 
 
-def _build_chain(state, rn, m: int):
-    """Runner ``rn``'s chain for ``state`` (``chain.build``; a blocked runner's for calls of ``m`` tokens),
-    None where it has none, ``_NOT_YET`` while its kernels are not all compiled (the first, compiling
-    calls go through ``_launch``)."""
+def _build_chain(state, rn):
+    """Runner ``rn``'s chain for ``state`` (``chain.build``), None where it has none, ``_NOT_YET`` while its
+    kernels are not all compiled (the first, compiling calls go through ``_launch``)."""
     global _CH_MOD, _P, _KNOBS
     from . import plan as P
 
@@ -430,7 +414,9 @@ def _build_chain(state, rn, m: int):
     tens, addr = _operands(state)
     v = _CH.placeholders()  # (VALUES: x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind, so, x_fp16, out_fp16)
     args = (state, rn, tens, addr, *(v[n] for n in _CH.VALUES))
-    return _CH.build(_gemv_launches(*args) if cfg.gemv else _blocked_launches(*args, tokens=m))
+    if cfg.gemv:
+        return _CH.build(_gemv_launches(*args))
+    return _CH.build(_blocked_launches(*args, sizes=tuple(v[n] for n in _CH.SIZES)))
 
 
 _ALL = ("prologue", "gemm1", "gemm2", "finalize")
@@ -569,21 +555,29 @@ def _launch(state, rn, x, topk_ids, topk_weights, out, stages):
         ln(grid, *args)
 
 
+def _blocked_sizes(rn, m: int, top_k: int) -> tuple:
+    """A blocked-path call's sizes at ``m`` tokens (``chain.SIZES``): its block count, the prologue's,
+    GEMM1's and GEMM2's grids, the accumulator rows a Gluon GEMM1 program zeroes where it does, the finalize's
+    grid (its first dimension)."""
+    nb = rn.blocks(m * top_k)
+    p1 = nb * rn.n_tiles1
+    return nb, rn.prologue_programs(m, top_k), p1, nb * rn.n_tiles2, -(-m // p1), -(-m // rn.finalize_rows)
+
+
 def _blocked_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw0, sw1, w_kind, so, x_fp16,
-                      out_fp16, stages=_ALL, tokens=None) -> list:
+                      out_fp16, stages=_ALL, sizes=None) -> list:
     """The blocked path's launches of ``stages`` (routing prologue, GEMM1, GEMM2, finalize) as ``(launch, grid,
-    args)``, as ``_gemv_launches``; ``tokens``: the call's token count where ``m`` is a ``chain.Var`` (the
-    grids and the block count follow it, not linearly: a chain of this path serves one token count)."""
+    args)``, as ``_gemv_launches``; ``sizes``: ``_blocked_sizes`` at the call's token count (made from ``m``
+    where not given; a chain gives them as ``chain.Var`` placeholders, the grids not being linear in M)."""
     cfg = rn.cfg
-    t = m if tokens is None else tokens
     top_k = state.plans.geometry.top_k
-    nb = rn.blocks(t * top_k)
+    nb, g_pro, g1, g2, zrows, g_fin = _blocked_sizes(rn, m, top_k) if sizes is None else sizes
     dst = "acc" if cfg.atomic else "slots"
     out_l = []
     if "prologue" in stages:
         ln = rn.prologue
         o, X, I, W, Y = _args(ln, tens, addr, x, ids, w, out)
-        out_l.append((ln, (rn.prologue_programs(t, top_k), 1, 1),
+        out_l.append((ln, (g_pro, 1, 1),
                       (I, W, X, o["xq"], o["acc"], o["lid"], o["wts"], o["sorted"], o["blk_expert"], o["blk_rows"],
                        o["route_cnt"], o["route_key"], o["route_off"], m, si0, si1, sw0, sw1, sx, state.expert_offset,
                        nb, w_kind, x_fp16)))
@@ -591,24 +585,23 @@ def _blocked_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw
         ln = rn.gemm1
         o = _ops(ln, tens, addr)
         if cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked: plan.acc_zero_mode)
-            p1 = nb * rn.n_tiles1
-            out_l.append((ln, (p1, 1, 1),
+            out_l.append((ln, (g1, 1, 1),
                           (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"],
-                           o["act"], o["acc"], nb, state.limit, -(-t // p1), m)))
+                           o["act"], o["acc"], nb, state.limit, zrows, m)))
         else:
-            out_l.append((ln, (nb * rn.n_tiles1, 1, 1),
+            out_l.append((ln, (g1, 1, 1),
                           (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"],
                            o["act"], nb, state.limit)))
     if "gemm2" in stages:
         ln = rn.gemm2
         o = _ops(ln, tens, addr)
-        out_l.append((ln, (nb * rn.n_tiles2, 1, 1),
+        out_l.append((ln, (g2, 1, 1),
                       (o["act"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w2"], o["w2_scale"], o["g2"], o["wts"],
                        o[dst], nb)))
     if "finalize" in stages:
         ln = rn.finalize
         o = _ops(ln, tens, addr)
-        out_l.append((ln, (-(-t // rn.finalize_rows), rn.n_tiles_fin, 1),
+        out_l.append((ln, (g_fin, rn.n_tiles_fin, 1),
                       (o[dst], o["lid"], out if ln.compiled is not None else out.view(_I16), m, so, out_fp16)))
     return out_l
 

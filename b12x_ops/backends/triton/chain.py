@@ -8,11 +8,11 @@ kernel is what a call from an idle GPU waits (a call being captured into a CUDA 
 path, where it makes no difference). A *chain* is the call's launches written down once per handle
 and plan as 64-bit words (``build``): each kernel's function handle, block, shared memory, PDL flag
 and every kernel parameter, either fixed (the handle's and arena's addresses, the expert offset, the
-limit; on the blocked path also the grids and the block count, which follow the token count but
-not linearly, so there a chain serves one token count) or one of the call's own values times a
-factor (x's, the ids', the weights' and out's addresses, M, the strides, the dtype flags). A call
-then passes those values to ``launch``, one C function (built at prepare by triton's own C build,
-``module``) that packs the parameters and calls ``cuLaunchKernelEx`` for each kernel.
+limit) or one of the call's own values times a factor (x's, the ids', the weights' and out's
+addresses, M, the strides, the dtype flags; on the blocked path also its grids and block count,
+``SIZES``, which follow the token count but not linearly). A call then passes those values to
+``launch``, one C function (built at prepare by triton's own C build, ``module``) that packs the
+parameters and calls ``cuLaunchKernelEx`` for each kernel.
 
 The parameters are exactly the ones triton's launcher passes: the compiled kernel's signature in
 order, constexprs left out, then its two scratch pointers (null: a chain is only built for kernels
@@ -34,6 +34,10 @@ import struct
 ENABLED = os.environ.get("B12X_OPS_TRITON_CHAIN", "1") != "0"
 # the call's values, in the order ``launch`` takes them after the chain and the stream
 VALUES = ("x", "ids", "w", "out", "m", "sx", "si0", "si1", "sw0", "sw1", "w_kind", "so", "x_fp16", "out_fp16")
+# a blocked-path call's sizes, after VALUES: its block count, the four kernels' grids and GEMM1's rows of
+# the accumulator a program zeroes (they follow the token count, but not linearly: the backend's
+# ``_blocked_sizes`` computes them, once per token count)
+SIZES = ("nb", "g_pro", "g1", "g2", "zrows", "g_fin")
 MAX_PARAMS = 48  # (per kernel; the C side's buffers)
 
 _SRC = r"""
@@ -251,14 +255,13 @@ def status() -> str:
     """How an eager call's kernels reach the driver (``b12x-ops info``)."""
     if not ENABLED:
         return "through triton's launcher, a launch at a time (B12X_OPS_TRITON_CHAIN=0)"
-    return ("one C call launches the call's kernels (a chain, built at prepare for the planned token counts, "
-            "on the blocked path at the first eager call of any other; later calls of a token count go straight "
-            "to it; B12X_OPS_TRITON_CHAIN=0 turns it off)")
+    return ("one C call launches the call's kernels (a chain, built at prepare; later calls of a token count "
+            "go straight to it; B12X_OPS_TRITON_CHAIN=0 turns it off)")
 
 
 class Var:
-    """A call's own value (``VALUES[i]``) times ``k``: what ``build`` puts in an argument list where
-    a call passes its own x, ids, strides..."""
+    """A call's own value (``(VALUES + SIZES)[i]``) times ``k``: what ``build`` puts in an argument list
+    where a call passes its own x, ids, strides..."""
 
     __slots__ = ("i", "k")
 
@@ -273,12 +276,12 @@ class Var:
     __rmul__ = __mul__
 
     def __repr__(self):
-        return f"Var({VALUES[self.i]}{'' if self.k == 1 else f' * {self.k}'})"
+        return f"Var({(VALUES + SIZES)[self.i]}{'' if self.k == 1 else f' * {self.k}'})"
 
 
 def placeholders() -> dict:
-    """One ``Var`` for each of ``VALUES``, by name."""
-    return {name: Var(i) for i, name in enumerate(VALUES)}
+    """One ``Var`` for each of ``VALUES`` and ``SIZES``, by name."""
+    return {name: Var(i) for i, name in enumerate(VALUES + SIZES)}
 
 
 _INT_SIZES = {"i1": 1, "i8": 1, "u8": 1, "i16": 2, "u16": 2, "i32": 4, "u32": 4, "i64": 8, "u64": 8}
