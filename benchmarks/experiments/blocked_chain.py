@@ -82,7 +82,6 @@ def main(argv=None):
             g = sorted(r[0] for v in res.values() for r in v)[a.rounds]
             emit(f"| {name} | {M} | {g:.1f} | " + " | ".join(f"{v:.1f}" for v in med[True][1:]) + " | "
                  + " | ".join(f"{v:.1f}" for v in med[False][1:]) + f" | {err:.1e} |")
-        del h, st
         torch.cuda.empty_cache()
 
 
