@@ -960,7 +960,8 @@ def test_interp_blocked_calls_pass_their_sizes_to_one_chain(monkeypatch):
     """On the blocked path one chain serves a runner's token counts: its grids and block count, not linear
     in M, are values of the call (``_blocked_sizes``, ``chain.SIZES``) that the chain takes after
     ``chain.VALUES``. Calls of 5 and of 6 tokens launch the same chain, each with its own sizes, and the
-    fast path keeps them by token count; the chain is built once, from ``_blocked_launches`` with the
+    fast path keeps them by token count (up to ``FAST_MAX_TOKENS``: a call of more goes by the chain without
+    being kept); the chain is built once, from ``_blocked_launches`` with the
     sizes as placeholders. The chain's bytes and the C call are stubbed (``test_triton_chain.py``
     checks the bytes a blocked chain packs)."""
     import types
@@ -1014,6 +1015,11 @@ def test_interp_blocked_calls_pass_their_sizes_to_one_chain(monkeypatch):
         assert got[0] == b"blocked chain" and got[1] == 77 and got[2] == x.data_ptr() and got[6] == M
         assert got[2 + n_values:] == sizes and len(sizes) == len(T._CH.SIZES)
     assert built == [rn] and not launched and len(calls) == 4
+    monkeypatch.setattr(T, "FAST_MAX_TOKENS", 6)  # (a count above it: by the chain, not kept in the fast path)
+    x, ids, w = make_batch(layer, 7, seed=7)
+    b12x_ops.moe_w4a8(x, ids, w, h)
+    assert 7 not in st.fast and len(calls) == 5 and calls[-1][2 + n_values:] == T._blocked_sizes(rn, 7, 3)
+    assert built == [rn] and not launched
     assert T._blocked_sizes(rn, 5, 3) != T._blocked_sizes(rn, 6, 3)  # (the prologue's programs differ at least)
     nb, g_pro, g1, g2, zrows, g_fin = T._blocked_sizes(rn, 6, 3)
     assert (nb, g_pro, g1, g2, g_fin) == (rn.blocks(18), rn.prologue_programs(6, 3), nb * rn.n_tiles1,

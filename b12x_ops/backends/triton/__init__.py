@@ -86,9 +86,10 @@ class State:
     # (``_chain``) runners' chains for this handle (``chain.build``), by ``id(runner)``: ``(runner, arena
     # version, chain or None)`` (the runner kept, so that its id stays its own)
     chains: dict = dataclasses.field(default_factory=dict, repr=False)
-    # (``run``) the chains of the calls that take one whatever the capture state, by token count, with the
-    # blocked path's sizes at that count (``_blocked_sizes``; none on the GEMV path): ``(chain, sizes)``,
-    # filled by such calls, emptied whenever the shared plans or their arena change (``GeometryPlans.changed``)
+    # (``run``) the chains of the calls that take one whatever the capture state, by token count (up to
+    # ``FAST_MAX_TOKENS``), with the blocked path's sizes at that count (``_blocked_sizes``; none on the GEMV
+    # path): ``(chain, sizes)``, filled by such calls, emptied whenever the shared plans or their arena change
+    # (``GeometryPlans.changed``)
     fast: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
@@ -344,8 +345,14 @@ def run(state, x, topk_ids, topk_weights, out) -> None:
             _launch(state, rn, x[s:e], topk_ids[s:e], topk_weights[s:e], out[s:e], _ALL)
         return
     fast = _issue(state, rn, x, topk_ids, topk_weights, out)
-    if fast is not None and gp.eager_runners.get(gp.cap_for(m)) is None:
+    if fast is not None and m <= FAST_MAX_TOKENS and gp.eager_runners.get(gp.cap_for(m)) is None:
         state.fast[m] = fast  # (the same launches captured or not: the next call goes straight)
+
+
+# The fast path keeps calls of at most this many tokens: where the host's time is most of a call's or
+# of its start, and so that a handle keeps a few hundred entries, not one for every count an engine
+# calls eagerly (larger calls still go by their chain, through ``_issue``)
+FAST_MAX_TOKENS = 256
 
 
 def _chained(state, rn, x, topk_ids, topk_weights, out):
