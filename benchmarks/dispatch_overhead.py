@@ -149,6 +149,12 @@ def measure_triton(calls: int = 20000, data_ptr: bool = False) -> dict[str, floa
     st.chains[id(rn)] = (rn, gp.arena.version, b"(a chain)")
     res["b12x::moe_w4a8_out on the triton backend, blocked path, 4 launches by their chain, the C call left out"] = (
         _per_call_us(lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls))
+    # ... and a call above the fast path's bound (``FAST_MAX_TOKENS``): the same chain through the plan lookup
+    bound, T.FAST_MAX_TOKENS = T.FAST_MAX_TOKENS, 0
+    st.fast.clear()
+    res["b12x::moe_w4a8_out on the triton backend, blocked path, 4 launches by their chain outside the fast path, "
+        "the C call left out"] = _per_call_us(lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
+    T.FAST_MAX_TOKENS = bound
     return res
 
 
