@@ -139,9 +139,9 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tokens,gluon,atomic", [("qwen3-30b-a3b", 16, False, None), ("dsv4.1-tp4", 37, False, False),
-                                                       ("gpt-oss-120b", 512, True, None), ("qwen3-30b-a3b", 2048, True, None),
-                                                       ("dsv4.1-tp4", 300, True, False)])
+@pytest.mark.parametrize("name,tokens,gluon,atomic", [
+    ("qwen3-30b-a3b", 16, False, None), ("dsv4.1-tp4", 37, False, False), ("gpt-oss-120b", 512, True, None),
+    ("qwen3-30b-a3b", 2048, True, None), ("dsv4.1-tp4", 300, True, False)])
 def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, tokens, gluon, atomic):
     """The blocked path's chain packs, kernel by kernel, the bytes triton's launcher would pass for
     ``_blocked_launches``' arguments, at every token count its plan serves: the grids and the block

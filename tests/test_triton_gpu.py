@@ -80,9 +80,8 @@ def test_gpu_compiled_launches_reach_the_driver_either_way_with_the_same_bits(na
     bits (deterministic mode) on the GEMV path's one and three launches and the blocked path's four."""
     import triton
 
-    from b12x_ops.backends.triton import plan as P
-
     from b12x_ops.backends.triton import chain
+    from b12x_ops.backends.triton import plan as P
 
     layer, h, ref = _layer(name, deterministic=True)
     gp = h._state.plans
@@ -118,8 +117,8 @@ def test_gpu_eager_blocked_calls_launch_by_their_chain_with_the_launches_bits(na
     """An eager call on the blocked path launches its four kernels by one C call (its runner's chain, with the
     token count's sizes as values, ``_blocked_sizes``), not through triton's launcher (made to fail here), and
     leaves the chain in the handle's fast path (up to ``FAST_MAX_TOKENS`` tokens), by which the next call goes;
-    in deterministic mode both write the bits the launches write (chains off) and a captured call's replay writes; the atomic default matches the
-    reference. Token counts of 16- to 128-row blocks (the tl.dot and the Gluon GEMMs), int32/int64 ids,
+    in deterministic mode both write the bits the launches write (chains off) and a captured call's replay
+    writes; the atomic default matches the reference. Token counts of 16- to 128-row blocks (the tl.dot and the Gluon GEMMs), int32/int64 ids,
     fp32/bf16/fp16 weights, strided routing, fp16 x, padding and foreign ids."""
     from b12x_ops.backends.triton import FAST_MAX_TOKENS, _blocked_sizes, chain
 
