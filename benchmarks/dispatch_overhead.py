@@ -140,7 +140,7 @@ def measure_triton(calls: int = 20000, data_ptr: bool = False) -> dict[str, floa
     st.chains[id(rn)] = (rn, gp.arena.version, b"(a chain)")
     res[f"b12x::moe_w4a8_out on the triton backend, {path} by their chain, the C call left out"] = _per_call_us(
         lambda: torch.ops.b12x.moe_w4a8_out.default(x, ids, w, h, out), calls)
-    # the blocked path's four launches by their chain (one a token count), the C call left out
+    # the blocked path's four launches by their chain (one a runner, the count's sizes as values), the C call left out
     M = 32
     rn = gp.runner_for(M, lambda: False)
     assert not rn.cfg.gemv
