@@ -89,6 +89,34 @@ def _expected(sig, names, full) -> bytes:
     return out + bytes(16)
 
 
+def _compile_as_on_gpu(offline, launches, fn0):
+    """The launches as after a GPU prepare: compiled for sm_90, each kernel's handle kept (made-up, from ``fn0``)."""
+    for k, ln in enumerate(launches):
+        ln.compiled = offline.compile_launch(ln, 90)
+        ln._function = fn0 + k
+
+
+def _random_call(rng, g, m) -> dict:
+    """A call's ``chain.VALUES`` of ``m`` tokens on geometry ``g``: made-up aligned addresses, strides, dtypes."""
+    return dict(x=0x7100_0000_0000 + 16 * rng.randrange(1 << 20), ids=0x7200_0000_0000 + 4 * rng.randrange(1 << 20),
+                w=0x7300_0000_0000 + 2 * rng.randrange(1 << 20), out=0x7400_0000_0000 + 16 * rng.randrange(1 << 20),
+                m=m, sx=rng.choice([g.hidden_size, 2 * g.hidden_size + 64]),
+                si0=rng.choice([g.top_k, 2 * g.top_k, 3]), si1=rng.choice([1, 2]), sw0=rng.choice([g.top_k, 7]),
+                sw1=rng.choice([1, 2]), w_kind=rng.randrange(3), so=rng.choice([g.hidden_size, 4 * g.hidden_size]),
+                x_fp16=rng.randrange(2), out_fp16=rng.randrange(2))
+
+
+def _assert_packed(got, want, what):
+    """``pack``'s kernels (``got``) are the launches' (``want``: ``(launch, grid, args)``), kernel by kernel:
+    function, grid, block, shared memory, PDL flag and the parameter bytes triton's launcher would pass."""
+    for (fn, grid, threads, shared, pdl, params), (ln, wgrid, args) in zip(got, want):
+        ck = ln.compiled
+        assert fn == ln._function and grid == tuple(wgrid), (what, ln.fn.__name__)
+        assert (threads, shared, pdl) == (32 * ck.metadata.num_warps, ck.metadata.shared,
+                                          int(bool(ck.metadata.launch_pdl)))
+        assert params == _expected(ck.src.signature, ln.fn.arg_names, tuple(args) + ln._tail), (what, ln.fn.__name__)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tokens,mma", [("qwen3-30b-a3b", 1, False), ("dsv4.1-tp4", 4, True),
                                              ("gpt-oss-120b", 3, True)])
@@ -107,9 +135,7 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
     rn = gp.runner(cfg, tokens)
     launches = [ln for ln in (rn.prologue, rn.gemm1, rn.gemm2) if ln is not None]
     assert len(launches) == (3 if cfg.xq else 2)
-    for k, ln in enumerate(launches):  # (as after a GPU prepare: compiled, the kernel's handle kept)
-        ln.compiled = offline.compile_launch(ln, 90)
-        ln._function = 0x5000 + k
+    _compile_as_on_gpu(offline, launches, 0x5000)
     state = types.SimpleNamespace(plans=gp, expert_offset=37, limit=float(g.swiglu_limit or 0.0))
     addr = _Addresses()
     v = chain.placeholders()
@@ -119,23 +145,13 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
     assert blob is not None
     rng = random.Random(tokens)
     for _ in range(25):
-        call = dict(x=0x7100_0000_0000 + 16 * rng.randrange(1 << 20), ids=0x7200_0000_0000 + 4 * rng.randrange(1 << 20),
-                    w=0x7300_0000_0000 + 2 * rng.randrange(1 << 20), out=0x7400_0000_0000 + 16 * rng.randrange(1 << 20),
-                    m=rng.randint(1, tokens), sx=rng.choice([g.hidden_size, 2 * g.hidden_size + 64]),
-                    si0=rng.choice([g.top_k, 2 * g.top_k, 3]), si1=rng.choice([1, 2]), sw0=rng.choice([g.top_k, 7]),
-                    sw1=rng.choice([1, 2]), w_kind=rng.randrange(3), so=rng.choice([g.hidden_size, 4 * g.hidden_size]),
-                    x_fp16=rng.randrange(2), out_fp16=rng.randrange(2))
+        call = _random_call(rng, g, rng.randint(1, tokens))
         got = chain_mod.pack(blob, *(call[n] for n in chain.VALUES))
         want = _gemv_launches(state, rn, {}, addr, call["x"], call["ids"], call["w"], call["out"], call["m"],
                               call["sx"], call["si0"], call["si1"], call["sw0"], call["sw1"], call["w_kind"],
                               call["so"], call["x_fp16"], call["out_fp16"])
         assert len(got) == len(want)
-        for (fn, grid, threads, shared, pdl, params), (ln, wgrid, args) in zip(got, want):
-            ck = ln.compiled
-            assert fn == ln._function and grid == tuple(wgrid)
-            assert (threads, shared, pdl) == (32 * ck.metadata.num_warps, ck.metadata.shared,
-                                              int(bool(ck.metadata.launch_pdl)))
-            assert params == _expected(ck.src.signature, ln.fn.arg_names, tuple(args) + ln._tail), ln.fn.__name__
+        _assert_packed(got, want, tokens)
 
 
 @pytest.mark.slow
@@ -167,9 +183,7 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
     assert not cfg.gemv and cfg.gluon == gluon
     rn = gp.runner(cfg, tokens)
     launches = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
-    for k, ln in enumerate(launches):  # (as after a GPU prepare: compiled, the kernel's handle kept)
-        ln.compiled = offline.compile_launch(ln, 90)
-        ln._function = 0x6000 + k
+    _compile_as_on_gpu(offline, launches, 0x6000)
     state = types.SimpleNamespace(plans=gp, expert_offset=11, limit=float(g.swiglu_limit or 0.0))
     addr = _Addresses()
     v = chain.placeholders()
@@ -178,12 +192,7 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
     assert blob is not None
     rng = random.Random(tokens)
     for m in sorted({1, 2, tokens // 3 + 1, tokens - 1, tokens} | {rng.randint(1, tokens) for _ in range(5)}):
-        call = dict(x=0x7100_0000_0000 + 16 * rng.randrange(1 << 20), ids=0x7200_0000_0000 + 4 * rng.randrange(1 << 20),
-                    w=0x7300_0000_0000 + 2 * rng.randrange(1 << 20), out=0x7400_0000_0000 + 16 * rng.randrange(1 << 20),
-                    m=m, sx=rng.choice([g.hidden_size, 2 * g.hidden_size + 64]),
-                    si0=rng.choice([g.top_k, 2 * g.top_k, 3]), si1=rng.choice([1, 2]), sw0=rng.choice([g.top_k, 7]),
-                    sw1=rng.choice([1, 2]), w_kind=rng.randrange(3), so=rng.choice([g.hidden_size, 4 * g.hidden_size]),
-                    x_fp16=rng.randrange(2), out_fp16=rng.randrange(2))
+        call = _random_call(rng, g, m)
         sizes = _blocked_sizes(rn, m, g.top_k)
         with pytest.raises(ValueError, match="malformed chain"):  # (a blocked chain needs the sizes)
             chain_mod.pack(blob, *(call[n] for n in chain.VALUES))
@@ -192,9 +201,5 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
         assert [ln.fn.__name__ for ln, _, _ in want][1:3] == [f"gemm{i}_{'gluon_' if on else ''}kernel"
                                                               for i, on in ((1, cfg.gluon), (2, cfg.gluon2))]
         assert len(got) == len(want) == 4
-        for (fn, grid, threads, shared, pdl, params), (ln, wgrid, args) in zip(got, want):
-            ck = ln.compiled
-            assert fn == ln._function and grid == tuple(wgrid) and min(grid) >= 1, (m, ln.fn.__name__)
-            assert (threads, shared, pdl) == (32 * ck.metadata.num_warps, ck.metadata.shared,
-                                              int(bool(ck.metadata.launch_pdl)))
-            assert params == _expected(ck.src.signature, ln.fn.arg_names, tuple(args) + ln._tail), (m, ln.fn.__name__)
+        assert all(min(grid) >= 1 for _, grid, *_ in got), m
+        _assert_packed(got, want, m)
