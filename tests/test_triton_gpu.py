@@ -6,6 +6,7 @@ that the real-size geometries check in seconds; it is checked against the b12x o
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -112,6 +113,36 @@ def _either_way(layer, h, ref, gp, direct):
         assert rel_l2(first, b12x_ops.moe_w4a8(x, ids, w, ref)) <= 1e-2, M
 
 
+def _boom(run):
+    """A launcher that fails the test (``_launchers``)."""
+    def boom(*args, **kwargs):
+        raise AssertionError("launched through triton's launcher")
+    return boom
+
+
+def _counting(calls):
+    """Triton's launcher, each launch noted in ``calls`` (``_launchers``)."""
+    return lambda run: (lambda *a: (calls.append(1), run(*a))[1])
+
+
+@contextlib.contextmanager
+def _launchers(used, wrap, chains=True):
+    """Within: each launch of ``used`` goes to ``wrap(its launcher)`` (its direct C call off), and with
+    ``chains`` False chains are off (the fast path too); both as they were after."""
+    from b12x_ops.backends.triton import chain
+
+    saved = [(ln, ln._direct, ln._run) for ln in used]
+    chain.ENABLED = chains
+    try:
+        for ln, _, r in saved:
+            ln._direct, ln._run = None, wrap(r)
+        yield
+    finally:
+        chain.ENABLED = True
+        for ln, d, r in saved:
+            ln._direct, ln._run = d, r
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "gpt-oss-120b", "odd-ep"])
 def test_gpu_eager_blocked_calls_launch_by_their_chain_with_the_launches_bits(name):
     """An eager call on the blocked path launches its four kernels by one C call (its runner's chain, with the
@@ -137,39 +168,22 @@ def test_gpu_eager_blocked_calls_launch_by_their_chain_with_the_launches_bits(na
                                    w_dtype=(torch.float32, torch.bfloat16, torch.float16)[i % 3],
                                    x_dtype=torch.float16 if i % 4 == 3 else torch.bfloat16)
             used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
-            saved = [(ln, ln._direct, ln._run) for ln in used]
-
-            def boom(*args, **kwargs):
-                raise AssertionError("launched through triton's launcher")
-
-            try:
-                for ln, _, _ in saved:
-                    ln._direct, ln._run = None, boom
+            with _launchers(used, _boom):
                 state.fast.pop(M, None)
                 chained = b12x_ops.moe_w4a8(x, ids, w, h)
                 blob = state.chains[id(rn)][2]
                 kept = (blob, _blocked_sizes(rn, M, layer.top_k)) if M <= FAST_MAX_TOKENS else None
                 assert blob is not None and state.fast.get(M) == kept, (name, M)  # (the fast path up to its bound)
                 again = b12x_ops.moe_w4a8(x, ids, w, h)  # (straight to the chain)
-            finally:
-                for ln, d, r in saved:
-                    ln._direct, ln._run = d, r
             assert rel_l2(chained.float(), b12x_ops.moe_w4a8(x, ids, w, ref).float()) <= 1e-2, (name, M, det)
             if not det:  # (atomic adds: equal to rounding, in any order)
                 assert rel_l2(again.float(), chained.float()) <= 1e-3, (name, M)
                 ran += 1
                 continue
             assert torch.equal(again, chained), (name, M)
-            chain.ENABLED = False
             calls = []
-            try:
-                for ln, _, r in saved:  # (chains off: each kernel through triton's launcher, the fast path too)
-                    ln._direct, ln._run = None, (lambda *a, _r=r: (calls.append(1), _r(*a))[1])
+            with _launchers(used, _counting(calls), chains=False):  # (each kernel through triton's launcher)
                 launched = b12x_ops.moe_w4a8(x, ids, w, h)
-            finally:
-                chain.ENABLED = True
-                for ln, d, r in saved:
-                    ln._direct, ln._run = d, r
             assert len(calls) == 4, (name, M)
             assert torch.equal(chained, launched), (name, M)
             out = torch.full_like(x, float("nan"))
@@ -209,14 +223,7 @@ def test_gpu_eager_gemv_calls_launch_by_their_chain_with_the_launches_bits(name)
                                w_dtype=(torch.float32, torch.bfloat16, torch.float16)[i % 3],
                                x_dtype=torch.float16 if i % 4 == 3 else torch.bfloat16)
         used = [ln for ln in (rn.prologue, rn.gemm1, rn.gemm2) if ln is not None]
-        saved = [(ln, ln._direct, ln._run) for ln in used]
-
-        def boom(*args, **kwargs):
-            raise AssertionError("launched through triton's launcher")
-
-        try:
-            for ln, _, _ in saved:
-                ln._direct, ln._run = None, boom
+        with _launchers(used, _boom):
             if rn.cfg.fused:  # (one launch, where prepare timed it faster: no chain; it goes through the launcher)
                 with pytest.raises(AssertionError, match="triton's launcher"):
                     b12x_ops.moe_w4a8(x, ids, w, h)
@@ -226,20 +233,10 @@ def test_gpu_eager_gemv_calls_launch_by_their_chain_with_the_launches_bits(name)
             assert state.fast.get(M) == (state.chains[id(rn)][2], ()) and state.fast[M][0] is not None, M  # (left in
             # the fast path)
             again = b12x_ops.moe_w4a8(x, ids, w, h)  # (straight to the chain)
-        finally:
-            for ln, d, r in saved:
-                ln._direct, ln._run = d, r
         assert torch.equal(again, chained), M
-        chain.ENABLED = False
         calls = []
-        try:
-            for ln, _, r in saved:  # (chains off: each kernel through triton's launcher, the fast path too)
-                ln._direct, ln._run = None, (lambda *a, _r=r: (calls.append(1), _r(*a))[1])
+        with _launchers(used, _counting(calls), chains=False):  # (each kernel through triton's launcher)
             launched = b12x_ops.moe_w4a8(x, ids, w, h)
-        finally:
-            chain.ENABLED = True
-            for ln, d, r in saved:
-                ln._direct, ln._run = d, r
         assert len(calls) == len(used), M
         assert torch.equal(chained, launched), M
         assert rel_l2(chained.float(), b12x_ops.moe_w4a8(x, ids, w, ref).float()) <= 1e-2, M
