@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, then the benchmark. Results land under $OUT (or ./out).
 # usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all] [extra bench args...]
-# ptests: the whole GPU suite in twelve processes at once (its time is mostly compiling, on the CPU:
+# ptests: the whole GPU suite in thirteen processes at once (its time is mostly compiling, on the CPU:
 # about 4-5 minutes on the H200 machine against 15 or more in one process), one log.
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -14,12 +14,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 240 python3 -m pytest tests/test_triton_gpu.py -q --maxfail=6 -rs -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if [ "$what" = ptests ]; then
-  # twelve processes, the Gluon test (the slowest, about 2 minutes a geometry) one or two geometries
+  # thirteen processes, the Gluon test (the slowest, about 2 minutes a geometry) one or two geometries
   # each; their logs go to one file ($OUT/gpu_tests.log: the device returns few files)
   groups=("test_gpu_matches_reference" "gluon and gpt" "gluon and odd-ep" "gluon and (dsv4 or odd-3x96)"
           "(gluon and qwen3) or tuner" "routing or (deterministic and not gemv)" "gemv and not mma" "mma"
-          "ptx or short_k" "every_tile" "half_tiles"
-          "not test_gpu_matches_reference and not gluon and not tuner and not routing and not deterministic and not gemv and not ptx and not short_k and not every_tile and not half_tiles")
+          "ptx or short_k" "every_tile" "half_tiles" "pdl"
+          "not test_gpu_matches_reference and not gluon and not tuner and not routing and not deterministic and not gemv and not ptx and not short_k and not every_tile and not half_tiles and not pdl")
   tmp=$(mktemp -d)
   for i in "${!groups[@]}"; do
     B12X_OPS_CACHE_DIR="$B12X_OPS_CACHE_DIR/p$i" setsid timeout -k 5 "${PTESTS_TIMEOUT:-300}" python3 -m pytest \

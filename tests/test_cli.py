@@ -58,14 +58,16 @@ def test_info_auto_picks_reference_on_cpu(info):
 
 
 def test_info_says_how_triton_launches_and_why(info, monkeypatch):
-    # programmatic dependent launch: off by default, and asked for on a machine that cannot do it,
-    # off with the reason
+    # programmatic dependent launch: on by default where it can run, so off here with the reason;
+    # off when asked
     line = r"^triton programmatic dependent launch: (.*)$"
-    assert _field(info, line).group(1).startswith("off by default (B12X_OPS_TRITON_PDL=1 turns it on")
-    monkeypatch.setenv("B12X_OPS_TRITON_PDL", "1")
+    monkeypatch.delenv("B12X_OPS_TRITON_PDL", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    asked = _cli("info", "--device", "cpu").stdout
-    assert _field(asked, line).group(1) == "off: needs a CUDA device of sm_90 or newer (got cpu)"
+    default = _cli("info", "--device", "cpu").stdout
+    assert _field(default, line).group(1) == "off: needs a CUDA device of sm_90 or newer (got cpu)"
+    monkeypatch.setenv("B12X_OPS_TRITON_PDL", "0")
+    assert _field(_cli("info", "--device", "cpu").stdout, line).group(1) == "off (B12X_OPS_TRITON_PDL=0)"
+    monkeypatch.delenv("B12X_OPS_TRITON_PDL")
     # the one-launch GEMV for calls outside graph capture: on by default, off when asked
     fused = r"^triton one-launch GEMV for eager calls: (.*)$"
     assert _field(info, fused).group(1).startswith("on: calls of the GEMV path outside CUDA-graph capture")

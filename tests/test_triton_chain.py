@@ -118,17 +118,17 @@ def _assert_packed(got, want, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tokens,mma", [("qwen3-30b-a3b", 1, False), ("dsv4.1-tp4", 4, True),
-                                             ("gpt-oss-120b", 3, True)])
-def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, mma):
+@pytest.mark.parametrize("name,tokens,mma,pdl", [("qwen3-30b-a3b", 1, False, False), ("dsv4.1-tp4", 4, True, True),
+                                                 ("gpt-oss-120b", 3, True, False), ("qwen3-30b-a3b", 5, False, True)])
+def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, mma, pdl):
     import triton
 
     from b12x_ops.backends.triton import _gemv_launches, chain
     from b12x_ops.backends.triton import plan as P
 
     g = offline._geometry(GEOMETRIES[name])
-    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
-    gp.ptx, gp.fold, gp.dot_dtype = True, True, triton.language.bfloat16
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True, pdl=pdl)
+    gp.ptx, gp.fold, gp.dot_dtype, gp.mma_pdl = True, True, triton.language.bfloat16, pdl
     cfg = P.default_config(tokens, g, gemv=True)
     if mma:
         cfg = P.mma_config(cfg, g, *P.gemv_mma_form(tokens, g))
@@ -150,19 +150,21 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
         want = _gemv_launches(state, rn, {}, addr, call["x"], call["ids"], call["w"], call["out"], call["m"],
                               call["sx"], call["si0"], call["si1"], call["sw0"], call["sw1"], call["w_kind"],
                               call["so"], call["x_fp16"], call["out_fp16"])
-        assert len(got) == len(want)
+        assert len(got) == len(want) and all(k[4] == pdl for k in got), (tokens, pdl)
         _assert_packed(got, want, tokens)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tokens,gluon,atomic", [
-    ("qwen3-30b-a3b", 16, False, None), ("dsv4.1-tp4", 37, False, False), ("gpt-oss-120b", 512, True, None),
-    ("qwen3-30b-a3b", 2048, True, None), ("dsv4.1-tp4", 300, True, False)])
-def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, tokens, gluon, atomic):
+@pytest.mark.parametrize("name,tokens,gluon,atomic,pdl", [
+    ("qwen3-30b-a3b", 16, False, None, True), ("dsv4.1-tp4", 37, False, False, False),
+    ("gpt-oss-120b", 512, True, None, True), ("qwen3-30b-a3b", 2048, True, None, False),
+    ("dsv4.1-tp4", 300, True, False, True)])
+def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, tokens, gluon, atomic, pdl):
     """The blocked path's chain packs, kernel by kernel, the bytes triton's launcher would pass for
     ``_blocked_launches``' arguments, at every token count its plan serves: the grids and the block
     count come from the call's sizes (``_blocked_sizes``, after ``chain.VALUES``); the tl.dot GEMMs
-    and the Gluon ones (sm_90's), atomic and row-a-slot GEMM2s."""
+    and the Gluon ones (sm_90's), atomic and row-a-slot GEMM2s, as programmatic dependent launches
+    (the default on sm_90) or not."""
     import dataclasses
 
     import triton
@@ -174,7 +176,7 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
     if gluon and not GK.HAS_GLUON:
         pytest.skip("this triton has no Gluon with Hopper's wgmma")
     g = offline._geometry(GEOMETRIES[name])
-    gp = P.GeometryPlans(g, True, False, ptx=True, dry=True, fold=True)
+    gp = P.GeometryPlans(g, True, False, ptx=True, dry=True, fold=True, pdl=pdl)
     gp.ptx, gp.fold, gp.dot_dtype = True, True, triton.language.bfloat16
     gp.gluon = gluon
     cfg = gp.with_gluon(P.default_config(tokens, g, gemv=False), tokens)
@@ -200,6 +202,6 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
         want = _blocked_launches(state, rn, {}, addr, *(call[n] for n in chain.VALUES))
         assert [ln.fn.__name__ for ln, _, _ in want][1:3] == [f"gemm{i}_{'gluon_' if on else ''}kernel"
                                                               for i, on in ((1, cfg.gluon), (2, cfg.gluon2))]
-        assert len(got) == len(want) == 4
+        assert len(got) == len(want) == 4 and all(k[4] == pdl for k in got), (m, pdl)
         assert all(min(grid) >= 1 for _, grid, *_ in got), m
         _assert_packed(got, want, m)

@@ -834,24 +834,26 @@ def test_gpu_half_tiles_write_what_full_tiles_write(name, monkeypatch):
                     assert torch.equal(got, want), (name, bm, cfg.gluon, cfg.gluon2, tail, what)
 
 
+@pytest.mark.parametrize("pdl", ["1", "0"])
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])
-def test_gpu_pdl_matches_reference_eager_and_captured(name, monkeypatch):
-    """``B12X_OPS_TRITON_PDL=1``: every stage kernel launches as a programmatic dependent launch and
-    waits for the previous one first. The GEMV path, the blocked path at 16-, 64- and 128-row blocks
-    (the Gluon GEMMs on sm_90) match the reference, eager and replayed from a CUDA graph with new
-    inputs. (The Gluon GEMMs once launched early without waiting: relative L2 0.3-0.4 at 2048 tokens.)"""
+def test_gpu_pdl_matches_reference_eager_and_captured(name, pdl, monkeypatch):
+    """``B12X_OPS_TRITON_PDL=1`` (the default on sm_90 and newer): every stage kernel launches as a
+    programmatic dependent launch and waits for the previous one first; ``0``: none does. The GEMV
+    path, the blocked path at 16-, 64- and 128-row blocks (the Gluon GEMMs on sm_90) match the
+    reference, eager and replayed from a CUDA graph with new inputs. (The Gluon GEMMs once launched
+    early without waiting: relative L2 0.3-0.4 at 2048 tokens.)"""
     from b12x_ops.backends import triton as TB
     from b12x_ops.backends.triton import plan as P
 
-    monkeypatch.setenv("B12X_OPS_TRITON_PDL", "1")
-    monkeypatch.setattr(TB, "_SHARED", {})  # (plans of their own, made with PDL on)
+    monkeypatch.setenv("B12X_OPS_TRITON_PDL", pdl)
+    monkeypatch.setattr(TB, "_SHARED", {})  # (plans of their own, made with PDL on or off)
     layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
     ref = layer.prepare(backend="reference")
     h = layer.prepare(backend="triton", tune=False, max_tokens=2048)
     gp = h._state.plans
-    if not P.pdl_status(torch.device("cuda"))[0]:
+    if pdl == "1" and not P.pdl_status(torch.device("cuda"))[0]:
         pytest.skip(P.pdl_status(torch.device("cuda"))[1])
-    assert gp.pdl
+    assert gp.pdl == (pdl == "1")
     for i, M in enumerate((1, 5, 64, 700, 2048)):
         x, ids, w = make_batch(layer, M, seed=40 + i, device="cuda", padding_rows=min(2, M // 4))
         for _ in range(2):  # (the second call's kernels queue behind the first's)

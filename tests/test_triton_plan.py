@@ -616,3 +616,30 @@ def test_launch_is_programmatic_only_for_kernels_that_wait():
     for mod in (GK, GG):
         kernels += [getattr(mod, n) for n in dir(mod) if n.endswith("_kernel") and hasattr(getattr(mod, n), "arg_names")]
     assert len(kernels) >= 8 and all("PDL" in k.arg_names for k in kernels), [k.__name__ for k in kernels]
+
+
+@pytest.mark.parametrize("cc, env, on", [((9, 0), None, True), ((12, 0), None, True), ((9, 0), "0", False),
+                                         ((8, 9), None, False), ((8, 0), "1", False)])
+def test_pdl_is_on_by_default_where_the_gpu_and_triton_have_it(monkeypatch, cc, env, on):
+    """Programmatic dependent launch: on by default on sm_90 and newer, off on older GPUs whatever
+    is asked, and off where ``B12X_OPS_TRITON_PDL=0``; each answer with its reason."""
+    from b12x_ops.backends.triton import kernels as K_
+
+    monkeypatch.setattr(P, "INTERPRET", False)
+    monkeypatch.setattr(K_, "HAS_GDC", True)
+    monkeypatch.setattr(P, "_capability", lambda device: cc)
+    if env is None:
+        monkeypatch.delenv("B12X_OPS_TRITON_PDL", raising=False)
+    else:
+        monkeypatch.setenv("B12X_OPS_TRITON_PDL", env)
+    got, why = P.pdl_status(torch.device("cuda"))
+    assert got is on, (cc, env, why)
+    if on:
+        assert why.startswith("on: ") and "B12X_OPS_TRITON_PDL=0 turns it off" in why
+    elif env == "0":
+        assert why == "off (B12X_OPS_TRITON_PDL=0)"
+    else:
+        assert why == f"off: needs sm_90 or newer (got sm_{cc[0]}{cc[1]})"
+    if on:  # (the same GPU with a triton that cannot wait)
+        monkeypatch.setattr(K_, "HAS_GDC", False)
+        assert P.pdl_status(torch.device("cuda")) == (False, "off: this triton has no griddepcontrol (3.4 and newer do)")

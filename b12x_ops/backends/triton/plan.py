@@ -153,9 +153,13 @@ _REGIMES = (
 
 
 # Programmatic dependent launch: each stage kernel lets the next one launch early and waits for
-# the previous one in its first statement (``kernels.pdl_start``). B12X_OPS_TRITON_PDL=0/1 turns
-# it off/on where the GPU (sm_90+) and triton support it.
-PDL_DEFAULT = False
+# the previous one in its first statement (``kernels.pdl_start``), where the GPU (sm_90+) and triton
+# support it; B12X_OPS_TRITON_PDL=0 turns it off. On by default since the eager calls launch by
+# their chain (``chain.py``), whose C call passes the attribute at no host cost (through triton's
+# launcher it cost host time: ``benchmarks/results/pdl_compare.md``): on an H100, graph replay 0.5-7 %
+# faster at 1-64 tokens, the same at 2048, and a loop of eager calls 1-4 us less a call
+# (``benchmarks/results/pdl_chain.md``).
+PDL_DEFAULT = True
 
 
 def _capability(device) -> tuple[int, int] | None:
@@ -169,7 +173,8 @@ def pdl_status(device) -> tuple[bool, str]:
     """Whether stage kernels on ``device`` launch as programmatic dependent launches, and why."""
     env = os.environ.get("B12X_OPS_TRITON_PDL")
     if not (PDL_DEFAULT if env is None else env == "1"):
-        return False, "off by default (B12X_OPS_TRITON_PDL=1 turns it on; no faster on the H200)"
+        return False, ("off (B12X_OPS_TRITON_PDL=0)" if env is not None
+                       else "off by default (B12X_OPS_TRITON_PDL=1 turns it on)")
     if INTERPRET:
         return False, "off: TRITON_INTERPRET=1"
     if not K_.HAS_GDC:
@@ -179,7 +184,8 @@ def pdl_status(device) -> tuple[bool, str]:
         return False, f"off: needs a CUDA device of sm_90 or newer (got {device})"
     if cc[0] < 9:
         return False, f"off: needs sm_90 or newer (got sm_{cc[0]}{cc[1]})"
-    return True, "on (B12X_OPS_TRITON_PDL=1)"
+    return True, ("on: each stage kernel waits for the previous one, which lets it launch early "
+                  "(B12X_OPS_TRITON_PDL=0 turns it off)")
 
 
 # The GEMMs in Gluon (``gluon_kernels``) on sm_90: their MMAs run asynchronously under the next K
