@@ -467,8 +467,8 @@ def diagnose(handles, args, E, K, top_k, log):
         nb = M * top_k if cfg.gemv else num_blocks(M * top_k, E, cfg.bm)
         rn = gp.runner_for(M)  # what the op launches (its tile counts include the GEMV kernels' splits)
         grids = {"prologue": M * rn.xquant_tiles if cfg.gemv else rn.prologue_programs(M, top_k),
-                 "gemm1": nb * rn.n_tiles1,
-                 "gemm2": (M if cfg.gemv else nb) * rn.n_tiles2,
+                 "gemm1": nb * rn.n_tiles1 + (nb if rn.edge1 is not None else 0),  # (with the edge launch's)
+                 "gemm2": (M if cfg.gemv else nb) * rn.n_tiles2 + (nb if rn.edge2 is not None else 0),
                  "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"])}
         stages = {}
         for s_ in gp.kinds(cfg):

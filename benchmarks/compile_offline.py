@@ -185,6 +185,8 @@ def main(argv=None):
     ap.add_argument("--stages", nargs="*", default=["prologue", "gemm1", "gemm2", "finalize"])
     ap.add_argument("--loops", action="store_true", help="count each loop body's SASS instructions by kind")
     ap.add_argument("--pdl", action="store_true", help="as programmatic dependent launches (plan.pdl_status)")
+    ap.add_argument("--gluon", action="store_true",
+                    help="the Gluon forms an sm_90 prepare takes (plan.with_gluon), with their edge launches")
     args = ap.parse_args(argv)
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]
@@ -197,10 +199,13 @@ def main(argv=None):
         gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fold=True, pdl=args.pdl)
         gp.ptx = gp.fold = True  # what a GPU prepare with usual scales (bytes in [2, 128]) chooses
         gp.dot_dtype = triton.language.bfloat16
+        gp.gluon = args.gluon
         done = set()
         for M in args.sizes:
-            cfg = P.default_config(M, g, gemv)
-            for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)):
+            cfg = gp.with_gluon(P.default_config(M, g, gemv), M)
+            rn = gp.runner(cfg, M)
+            for stage, ln in (*zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)),
+                              ("gemm1", rn.edge1), ("gemm2", rn.edge2)):  # (the edge launches, plan.edge_split)
                 if ln is None or stage not in args.stages or id(ln) in done:
                     continue
                 done.add(id(ln))

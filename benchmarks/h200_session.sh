@@ -18,8 +18,8 @@ if [ "$what" = ptests ]; then
   # each; their logs go to one file ($OUT/gpu_tests.log: the device returns few files)
   groups=("test_gpu_matches_reference" "gluon and gpt" "gluon and odd-ep" "gluon and (dsv4 or odd-3x96)"
           "(gluon and qwen3) or tuner" "routing or (deterministic and not gemv)" "gemv and not mma" "mma"
-          "ptx or short_k" "every_tile" "half_tiles" "pdl"
-          "not test_gpu_matches_reference and not gluon and not tuner and not routing and not deterministic and not gemv and not ptx and not short_k and not every_tile and not half_tiles and not pdl")
+          "ptx or short_k" "every_tile" "half_tiles or edge_tiles" "pdl"
+          "not test_gpu_matches_reference and not gluon and not tuner and not routing and not deterministic and not gemv and not ptx and not short_k and not every_tile and not half_tiles and not edge_tiles and not pdl")
   tmp=$(mktemp -d)
   for i in "${!groups[@]}"; do
     B12X_OPS_CACHE_DIR="$B12X_OPS_CACHE_DIR/p$i" setsid timeout -k 5 "${PTESTS_TIMEOUT:-300}" python3 -m pytest \

@@ -160,34 +160,48 @@ def test_stage_kernels_wait_for_the_previous_launch_first_under_pdl(offline, pdl
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gluon_gemms_wait_for_the_previous_launch_first_under_pdl(offline, pdl):
-    """The Gluon GEMMs of the blocked path (sm_90, 64- and 128-row plans), as programmatic dependent
+    """The Gluon GEMMs of the blocked path (sm_90, 64- and 128-row plans, and the narrower launches of
+    gpt-oss's part-empty last column tiles, ``plan.edge_split``), as programmatic dependent
     launches, wait for the previous kernel before their first memory access, as every stage kernel
     does (they once launched early without waiting, and read the prologue's routing before it was
-    written); without PDL neither instruction is there."""
-    import re
-
+    written); without PDL neither instruction is there. The edge launches spill nothing."""
     from b12x_ops.backends.triton import gluon_kernels as GK
     from b12x_ops.backends.triton import plan as P
 
     if not GK.HAS_GLUON:
         pytest.skip("this triton has no Gluon with Hopper's wgmma")
-    g = offline._geometry(GEOMETRIES["qwen3-30b-a3b"])
-    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True, pdl=pdl)
-    gp.ptx = gp.fold = True
-    gp.gluon = True
     names = set()
-    for M in (512, 8192):
-        cfg = gp.with_gluon(P.default_config(M, g), M)
-        for ln in gp.stages(cfg, M)[1:3]:
-            ck = offline.compile_launch(ln, 90)
-            ptx = ck.asm["ptx"]
-            names.add(ck.metadata.name)
-            assert bool(ck.metadata.launch_pdl) == pdl and ln.constexprs["PDL"] == pdl
-            assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
-            if pdl:
-                before = ptx[: ptx.index("griddepcontrol.wait")]
-                assert not re.search(r"\bld\.global|\bst\.global|cp\.async|atom\.|red\.", before), ck.metadata.name
-    assert names == {"gemm1_gluon_kernel", "gemm2_gluon_kernel"}
+    edges = 0
+    for name, sizes in (("qwen3-30b-a3b", (512, 8192)), ("gpt-oss-120b", (8192,))):
+        g = offline._geometry(GEOMETRIES[name])
+        gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True, pdl=pdl)
+        gp.ptx = gp.fold = True
+        gp.gluon = True
+        for M in sizes:
+            cfg = gp.with_gluon(P.default_config(M, g), M)
+            rn = gp.runner(cfg, M)
+            for ln in [rn.gemm1, rn.gemm2] + [e for e in (rn.edge1, rn.edge2) if e is not None]:
+                ck = offline.compile_launch(ln, 90)
+                edge = ln in (rn.edge1, rn.edge2)
+                edges += edge
+                if edge:
+                    assert "STACK:0 " in offline.resources(ck.asm["cubin"], ck.metadata.name), ck.metadata.name
+                _assert_waits_first(ck, ln, pdl)
+                names.add(ck.metadata.name)
+    assert names == {"gemm1_gluon_kernel", "gemm2_gluon_kernel"} and edges == 2
+
+
+def _assert_waits_first(ck, ln, pdl):
+    """Compiled launch ``ln`` (``ck``): with ``pdl``, its first memory access after the wait for the previous
+    kernel; without, neither that wait nor the early launch of the next."""
+    import re
+
+    ptx = ck.asm["ptx"]
+    assert bool(ck.metadata.launch_pdl) == pdl and ln.constexprs["PDL"] == pdl
+    assert ("griddepcontrol.wait" in ptx) == pdl and ("griddepcontrol.launch_dependents" in ptx) == pdl
+    if pdl:
+        before = ptx[: ptx.index("griddepcontrol.wait")]
+        assert not re.search(r"\bld\.global|\bst\.global|cp\.async|atom\.|red\.", before), ck.metadata.name
 
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))

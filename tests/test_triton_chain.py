@@ -158,13 +158,15 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
 @pytest.mark.parametrize("name,tokens,gluon,atomic,pdl", [
     ("qwen3-30b-a3b", 16, False, None, True), ("dsv4.1-tp4", 37, False, False, False),
     ("gpt-oss-120b", 512, True, None, True), ("qwen3-30b-a3b", 2048, True, None, False),
-    ("dsv4.1-tp4", 300, True, False, True)])
+    ("dsv4.1-tp4", 300, True, False, True), ("gpt-oss-120b", 4096, True, None, True),
+    ("dsv4.1-tp4", 8192, True, False, False)])
 def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, tokens, gluon, atomic, pdl):
     """The blocked path's chain packs, kernel by kernel, the bytes triton's launcher would pass for
     ``_blocked_launches``' arguments, at every token count its plan serves: the grids and the block
     count come from the call's sizes (``_blocked_sizes``, after ``chain.VALUES``); the tl.dot GEMMs
     and the Gluon ones (sm_90's), atomic and row-a-slot GEMM2s, as programmatic dependent launches
-    (the default on sm_90) or not."""
+    (the default on sm_90) or not, with the Gluon GEMMs' last column tiles in launches of their own
+    (``plan.edge_split``: gpt-oss's GEMM1 and GEMM2, DSv4's GEMM1, at 128-row blocks)."""
     import dataclasses
 
     import triton
@@ -184,7 +186,9 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
         cfg = dataclasses.replace(cfg, atomic=atomic)
     assert not cfg.gemv and cfg.gluon == gluon
     rn = gp.runner(cfg, tokens)
-    launches = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
+    edges = [e for e in (rn.edge1, rn.edge2) if e is not None]
+    assert len(edges) == (2 if name == "gpt-oss-120b" and cfg.bm == 128 else int(name.startswith("dsv4") and cfg.bm == 128))
+    launches = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize] + edges
     _compile_as_on_gpu(offline, launches, 0x6000)
     state = types.SimpleNamespace(plans=gp, expert_offset=11, limit=float(g.swiglu_limit or 0.0))
     addr = _Addresses()
@@ -200,8 +204,10 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
             chain_mod.pack(blob, *(call[n] for n in chain.VALUES))
         got = chain_mod.pack(blob, *(call[n] for n in chain.VALUES), *sizes)
         want = _blocked_launches(state, rn, {}, addr, *(call[n] for n in chain.VALUES))
-        assert [ln.fn.__name__ for ln, _, _ in want][1:3] == [f"gemm{i}_{'gluon_' if on else ''}kernel"
-                                                              for i, on in ((1, cfg.gluon), (2, cfg.gluon2))]
-        assert len(got) == len(want) == 4 and all(k[4] == pdl for k in got), (m, pdl)
+        names = [f"gemm{i}_{'gluon_' if on else ''}kernel" for i, on in ((1, cfg.gluon), (2, cfg.gluon2))]
+        assert [ln for ln, _, _ in want] == ([rn.prologue, rn.gemm1] + [rn.edge1] * (rn.edge1 is not None) + [rn.gemm2]
+                                             + [rn.edge2] * (rn.edge2 is not None) + [rn.finalize])
+        assert [ln.fn.__name__ for ln in (rn.gemm1, rn.gemm2)] == names
+        assert len(got) == len(want) == 4 + len(edges) and all(k[4] == pdl for k in got), (m, pdl)
         assert all(min(grid) >= 1 for _, grid, *_ in got), m
         _assert_packed(got, want, m)

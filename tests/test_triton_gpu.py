@@ -834,6 +834,55 @@ def test_gpu_half_tiles_write_what_full_tiles_write(name, monkeypatch):
                     assert torch.equal(got, want), (name, bm, cfg.gluon, cfg.gluon2, tail, what)
 
 
+@pytest.mark.parametrize("name, M", [("gpt-oss-120b", 4096), ("dsv4-tp4", 8192)])
+def test_gpu_edge_tiles_write_what_whole_launches_write(name, M, monkeypatch):
+    """The Gluon GEMMs' part-empty last column tile in a narrower launch of its own (``plan.edge_split``:
+    gpt-oss's GEMM1 and GEMM2, DSv4's GEMM1, at 128-row blocks) writes the activations, per-slot rows
+    and output of the one wide launch, byte for byte, with full, half and quarter tiles of rows; atomic
+    plans match the reference both ways."""
+    import dataclasses
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import plan as P
+
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    h = layer.prepare(backend="triton", tune=False, gemv=False, max_tokens=M, frozen=False, deterministic=True)
+    st, gp = h._state, h._state.plans
+    if not gp.gluon:
+        pytest.skip("the Gluon GEMMs run on sm_90 only")
+    x, ids, w = make_batch(layer, M, seed=17, device="cuda", padding_rows=5)
+    want = b12x_ops.moe_w4a8(x, ids, w, ref)
+    base = gp.with_gluon(P.default_config(8192, gp.geometry, gemv=False), 8192)
+    assert base.bm == 128 and base.gluon and base.gluon2
+    for atomic in (False, True):
+        cfg = dataclasses.replace(base, atomic=atomic)
+        gp.reserve(M, cfg)
+        _launch_all(st, cfg, x, ids, w, torch.empty_like(x), stages=("prologue",))  # (one routing for all)
+        written = {}
+        for edge in ("1", "0"):
+            monkeypatch.setenv("B12X_OPS_TRITON_EDGE", edge)
+            rn = gp.runner(cfg)
+            assert (rn.edge1 is not None, rn.edge2 is not None) == ((edge == "1", edge == "1" and name == "gpt-oss-120b"))
+            a = gp.arena.buffers
+            a["act"].fill_(7)
+            a["slots"].fill_(7)
+            if atomic:
+                a["acc"].zero_()
+            out = torch.empty_like(x)
+            _launch_all(st, cfg, x, ids, w, out, stages=("gemm1", "gemm2", "finalize"))
+            torch.cuda.synchronize()
+            assert rel_l2(out, want) <= 1e-2, (name, atomic, edge)
+            written[edge] = [t.clone().view(torch.uint8) for t in (out, a["act"], a["slots"])]
+        rows = gp.arena.buffers["blk_rows"][:gp.runner(cfg).blocks(ids.numel())]
+        assert (rows == 128).any() and ((rows > 64) & (rows < 128)).any() and ((rows > 0) & (rows <= 32)).any(), \
+            rows.tolist()
+        for what, got, same in zip(("out", "act", "slots"), written["1"], written["0"]):
+            if atomic and what != "act":  # (the atomic sums' order varies: the reference above)
+                continue
+            assert torch.equal(got, same), (name, atomic, what)
+
+
 @pytest.mark.parametrize("pdl", ["1", "0"])
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "dsv4-tp4", "odd-ep"])
 def test_gpu_pdl_matches_reference_eager_and_captured(name, pdl, monkeypatch):

@@ -643,3 +643,66 @@ def test_pdl_is_on_by_default_where_the_gpu_and_triton_have_it(monkeypatch, cc, 
     if on:  # (the same GPU with a triton that cannot wait)
         monkeypatch.setattr(K_, "HAS_GDC", False)
         assert P.pdl_status(torch.device("cuda")) == (False, "off: this triton has no griddepcontrol (3.4 and newer do)")
+
+
+@given(out=st.integers(32, 8192).map(lambda n: 32 * (n // 32)), kind=st.sampled_from(["gemm1", "gemm2"]),
+       wide=st.booleans())
+@example(out=2880, kind="gemm1", wide=True)
+@example(out=2880, kind="gemm2", wide=True)
+@example(out=576, kind="gemm1", wide=True)
+@example(out=768, kind="gemm1", wide=True)
+@settings(max_examples=60, deadline=None)
+def test_edge_split_runs_the_last_tile_in_the_narrowest_width_that_holds_it(out, kind, wide):
+    """``edge_split``: a part-empty last tile runs in the narrowest Gluon width that holds its columns,
+    only where that is narrower than the tile; the main launch's whole tiles and that one tile cover the
+    outputs exactly once."""
+    widths = P.GLUON_WIDTHS[kind]
+    bn = widths[-1] if wide else widths[0]
+    w = P.edge_split(out, bn, widths)
+    rest = out % bn
+    if w:
+        assert w in widths and rest <= w < bn and all(x < rest or x >= w for x in widths)
+        assert (out // bn) * bn + rest == out and (out // bn) * bn % w == 0  # (C0 a multiple of the edge's tile)
+    else:
+        assert rest == 0 or not [x for x in widths if rest <= x < bn]
+    if (out, bn) == (2880, 128) or (out, bn) == (2880, 256):
+        assert w == {128: 64, 256: 128}[bn]
+
+
+@pytest.mark.parametrize("name, E, K, N, top_k, want", [
+    ("gpt-oss-120b", 128, 2880, 2880, 4, ((64, 2816), (128, 2816))),
+    ("dsv4.1-tp4", 384, 5120, 576, 6, ((64, 512), None)),
+    ("qwen3-30b-a3b", 128, 2048, 768, 8, (None, None))])
+def test_gluon_gemms_run_their_part_empty_last_tile_narrower(monkeypatch, name, E, K, N, top_k, want):
+    """At 128-row blocks (8192 tokens) the Gluon GEMMs' runners carry an edge launch where the outputs are
+    not a multiple of the tile (gpt-oss: both GEMMs; DSv4: GEMM1; Qwen3: none): the same kernel at the
+    narrower width from the main launch's last whole tile (``C0``), warps in proportion, GEMM1's edge
+    zeroing no accumulator rows; the main launch ends there (``C1``) and counts its whole tiles.
+    B12X_OPS_TRITON_EDGE=0: no edge, the main launch over every column as before."""
+    from b12x_ops.backends.triton import gluon_kernels as GK
+
+    if not GK.HAS_GLUON:
+        pytest.skip("this triton has no Gluon with Hopper's wgmma")
+    g = geometry(E, K, N, top_k)
+    for on in (True, False):
+        monkeypatch.setenv("B12X_OPS_TRITON_EDGE", "1" if on else "0")
+        gp = P.GeometryPlans(g, True, False, ptx=True, dry=True, fold=True)
+        gp.ptx, gp.gluon = True, True
+        cfg = gp.with_gluon(P.default_config(8192, g, gemv=False), 8192)
+        assert cfg.bm == 128 and cfg.gluon and cfg.gluon2 and (cfg.bn1, cfg.bn2) == (128, 256)
+        rn = gp.runner(cfg, 8192)
+        for edge, main, out, bn, warps, tiles, w in ((rn.edge1, rn.gemm1, N, cfg.bn1, cfg.warps1, rn.n_tiles1, want[0]),
+                                                    (rn.edge2, rn.gemm2, K, cfg.bn2, cfg.warps2, rn.n_tiles2, want[1])):
+            if not on or w is None:
+                assert edge is None and main.constexprs["C0"] == main.constexprs["C1"] == 0
+                assert tiles == -(-out // bn)
+                continue
+            width, c0 = w
+            assert edge.fn is main.fn and edge.constexprs["BN"] == width and edge.num_warps == warps * width // bn
+            assert (edge.constexprs["C0"], edge.constexprs["C1"], main.constexprs["C0"], main.constexprs["C1"]) == \
+                (c0, 0, 0, c0)
+            assert tiles == c0 // bn and edge.constexprs.get("ZERO_ACC", 0) == 0 and edge.options == dict(
+                main.options, num_warps=edge.num_warps)
+            same = {k for k in main.constexprs if k not in ("BN", "C0", "C1", "ZERO_ACC") and
+                    k not in GK.layouts(64, 128)}  # (the layouts: the width's own)
+            assert all(edge.constexprs[k] == main.constexprs[k] for k in same), same

@@ -412,7 +412,7 @@ def _build_chain(state, rn):
     if cfg.gemv:
         used = [rn.gemm1, rn.gemm2] + ([rn.prologue] if cfg.xq else [])
     else:
-        used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize]
+        used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize] + [e for e in (rn.edge1, rn.edge2) if e is not None]
     if any(ln is None or ln.compiled is None for ln in used):
         return _NOT_YET
     _CH_MOD = _CH.module()
@@ -588,23 +588,29 @@ def _blocked_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw
                       (I, W, X, o["xq"], o["acc"], o["lid"], o["wts"], o["sorted"], o["blk_expert"], o["blk_rows"],
                        o["route_cnt"], o["route_key"], o["route_off"], m, si0, si1, sw0, sw1, sx, state.expert_offset,
                        nb, w_kind, x_fp16)))
+    # (a Gluon GEMM's last column tile may run in a narrower launch of its own: one program a block,
+    # its main launch's arguments; plan.GeometryPlans.edge)
     if "gemm1" in stages:
-        ln = rn.gemm1
-        o = _ops(ln, tens, addr)
-        if cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked: plan.acc_zero_mode)
-            out_l.append((ln, (g1, 1, 1),
-                          (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"],
-                           o["act"], o["acc"], nb, state.limit, zrows, m)))
-        else:
-            out_l.append((ln, (g1, 1, 1),
-                          (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"],
-                           o["act"], nb, state.limit)))
+        for ln, grid in ((rn.gemm1, g1), (rn.edge1, nb)):
+            if ln is None:
+                continue
+            o = _ops(ln, tens, addr)
+            if cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked: plan.acc_zero_mode)
+                out_l.append((ln, (grid, 1, 1),
+                              (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"],
+                               o["g13"], o["act"], o["acc"], nb, state.limit, zrows, m)))
+            else:
+                out_l.append((ln, (grid, 1, 1),
+                              (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"],
+                               o["g13"], o["act"], nb, state.limit)))
     if "gemm2" in stages:
-        ln = rn.gemm2
-        o = _ops(ln, tens, addr)
-        out_l.append((ln, (g2, 1, 1),
-                      (o["act"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w2"], o["w2_scale"], o["g2"], o["wts"],
-                       o[dst], nb)))
+        for ln, grid in ((rn.gemm2, g2), (rn.edge2, nb)):
+            if ln is None:
+                continue
+            o = _ops(ln, tens, addr)
+            out_l.append((ln, (grid, 1, 1),
+                          (o["act"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w2"], o["w2_scale"], o["g2"],
+                           o["wts"], o[dst], nb)))
     if "finalize" in stages:
         ln = rn.finalize
         o = _ops(ln, tens, addr)

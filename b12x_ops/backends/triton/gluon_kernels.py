@@ -67,7 +67,7 @@ try:
 except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON = False
 
-from .kernels import _block_tile, _swiglu
+from .kernels import _swiglu
 from .mxtl import (_DECODE_PTX, _DECODE_PTX_FOLD, _SCALE_PAIRS_PTX, _SCALE_PAIRS_PTX_FOLD, mxfp8_apply,
                    mxfp8_block_scale)
 
@@ -109,6 +109,23 @@ if HAS_GLUON:
     def _operand_of(mma):
         """The wgmma's register operand layout of accumulator layout ``mma`` (``layouts``' ``a_l``)."""
         return gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+
+    @gluon.constexpr_function
+    def _col_tiles(out, bn, c0, c1):
+        """Column tiles of ``bn`` a block of a launch covering outputs ``[c0, c1)`` of ``out`` (``c1`` 0:
+        to ``out``)."""
+        return -(-((c1 or out) - c0) // bn)
+
+    @gluon.jit
+    def _block_cols(blk_expert_ptr, OUT: gl.constexpr, BN: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr):
+        """``kernels._block_tile`` for a launch of the outputs ``[C0, C1)`` of ``OUT`` (``C1`` 0: to ``OUT``;
+        ``C0`` a multiple of ``BN``): ``(expert block, tile of BN of the OUT outputs, the block's expert)``,
+        the tile counted from output 0, so that a GEMM's last, part-empty tile can run in a narrower
+        launch of its own (``plan.edge_split``)."""
+        NT: gl.constexpr = _col_tiles(OUT, BN, C0, C1)
+        pid = gl.program_id(0)
+        pid_m = pid // NT
+        return pid_m, C0 // BN + pid % NT, gl.load(blk_expert_ptr + pid_m)
 
     @gluon.jit
     def _gdc(PDL: gl.constexpr):
@@ -410,6 +427,7 @@ if HAS_GLUON:
         BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
         code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr, x_l: gl.constexpr, mma_h: gl.constexpr,
         a_l_h: gl.constexpr, HALF: gl.constexpr, ZERO_ACC: gl.constexpr, PDL: gl.constexpr = False,
+        C0: gl.constexpr = 0, C1: gl.constexpr = 0,
     ):
         """``kernels.gemm1_kernel``'s program (expert block, tile of BN columns of up and of gate), BN / 8
         or BN / 16 warps (BN = 64 or 128: the first half of the 16-row groups the up rows, the rest the gate rows),
@@ -419,11 +437,12 @@ if HAS_GLUON:
         ``ZERO_ACC`` 1 or 2: every program zeroes its ``zrows`` rows of GEMM2's fp32 accumulator
         ``acc`` (``[M, K]``) first (1) or last (2), in the prologue's place: fire-and-forget stores
         beside a compute-bound kernel instead of the prologue's largest write. ``PDL``: launched as a
-        programmatic dependent launch (``_gdc``, before anything else)."""
+        programmatic dependent launch (``_gdc``, before anything else). ``C0``, ``C1``: the launch covers the
+        columns ``[C0, C1)`` of up and of gate (``_block_cols``; default all)."""
         _gdc(PDL)
         if ZERO_ACC == 1:
             _zero_rows(acc_ptr, zrows, M, K)
-        pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN)
+        pid_m, pid_n, e = _block_cols(blk_expert_ptr, N, BN, C0, C1)
         if e < 0:
             if ZERO_ACC == 2:
                 _zero_rows(acc_ptr, zrows, M, K)
@@ -528,14 +547,15 @@ if HAS_GLUON:
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr,
         mma: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, s5_l: gl.constexpr,
         x_l: gl.constexpr, mma_h: gl.constexpr, a_l_h: gl.constexpr, HALF: gl.constexpr, PDL: gl.constexpr = False,
+        C0: gl.constexpr = 0, C1: gl.constexpr = 0,
     ):
         """``kernels.gemm2_kernel``'s program (expert block, tile of BN outputs), BN / 16 or BN / 32 warps
         (BN = 128 or 256: a warp 16 or 32 of the W2 rows), an even STAGES >= 4; its layouts from
         ``layouts(BN, BM, warps)``.
         ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2, and with ``HALF`` 2 one of at most
-        BM / 4 rows the tile of BM / 4. ``PDL``: as ``gemm1_gluon_kernel``'s."""
+        BM / 4 rows the tile of BM / 4. ``PDL``, ``C0``, ``C1`` (of the K outputs): as ``gemm1_gluon_kernel``'s."""
         _gdc(PDL)
-        pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN)
+        pid_m, pid_n, e = _block_cols(blk_expert_ptr, K, BN, C0, C1)
         if e < 0:
             return
         nrow = gl.load(blk_rows_ptr + pid_m)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -323,6 +324,38 @@ def tail_tiles(bm: int) -> int:
     """The blocked GEMMs' ``HALF`` constexpr for ``bm``-row blocks: 0 the full tile always, 1 the half
     tile for blocks at most half full, 2 also the quarter tile for blocks at most a quarter full."""
     return 2 if quarter_tiles(bm) else int(half_tiles(bm))
+
+
+# A Gluon GEMM whose outputs are not a multiple of its tile width runs its last, part-empty column
+# tile in a launch of its own in the narrower tile (``edge_split``): the same kernel over the columns
+# from ``C0`` (``gluon_kernels._block_cols``), its warps in proportion, right after the main launch,
+# which then covers the whole tiles. Its MMAs and decode scale with the tile's rows, which in the wide
+# tile were issued for absent columns as for real ones (``benchmarks/results/issued_work.md``): at
+# 128-row blocks gpt-oss (N = K = 2880) issued GEMM1's 23rd tile of 128 columns with 64 real and
+# GEMM2's 12th of 256 outputs with 64, the DeepSeek rank (N = 576) GEMM1's fifth of 128 with 64.
+# B12X_OPS_TRITON_EDGE=0 turns it off.
+GLUON_WIDTHS = {"gemm1": (64, 128), "gemm2": (128, 256)}  # (the Gluon GEMMs' tile widths: bn1, bn2)
+
+
+def edge_on() -> bool:
+    return os.environ.get("B12X_OPS_TRITON_EDGE", "1") == "1"
+
+
+def edge_split(out: int, bn: int, widths: tuple[int, ...]) -> int:
+    """The width of the narrower tile a Gluon GEMM of ``out`` outputs in tiles of ``bn`` runs its last,
+    part-empty tile in (the narrowest of ``widths`` that holds the rest), 0 where none: ``out`` a
+    multiple of ``bn``, no narrower width that holds the rest, or ``edge_on()`` false."""
+    rest = out % bn
+    fits = [w for w in widths if rest <= w < bn]
+    return min(fits) if rest and fits and edge_on() else 0
+
+
+def edge_status() -> str:
+    """Whether Gluon GEMMs run a part-empty last column tile narrower (``b12x-ops info``)."""
+    if not edge_on():
+        return "off (B12X_OPS_TRITON_EDGE=0)"
+    return ("on: a Gluon GEMM whose outputs are not a multiple of its tile runs the last tile in a launch of "
+            "its own, in the narrowest tile that holds it (B12X_OPS_TRITON_EDGE=0 turns it off)")
 
 
 # Atomic plans with the Gluon GEMM1 may zero GEMM2's fp32 accumulator there (every GEMM1 program its
@@ -752,12 +785,22 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
     return out
 
 
+def _cols(c1: int) -> dict:
+    """A Gluon GEMM's main-launch constexprs where it has an edge launch (columns up to ``c1``), none
+    where not (the kernel's defaults: all columns, ``Launch``)."""
+    return dict(C0=0, C1=c1) if c1 else {}
+
+
 class Launch:
     """One stage kernel with fixed compile-time parameters, launched precompiled after prepare."""
 
     def __init__(self, fn, constexprs: dict[str, Any], num_warps: int, num_stages: int, maxnreg: int | None = None,
                  pdl: bool = False):
         self.fn = fn
+        # (a constexpr with a default that is not given takes it: the tail below is then whole)
+        sig = inspect.signature(getattr(fn, "fn", fn))  # (the Python function, jitted or interpreted)
+        constexprs = dict({n: p.default for n, p in sig.parameters.items() if n not in constexprs
+                           and p.default is not p.empty and "constexpr" in str(p.annotation)}, **constexprs)
         if "PDL" in fn.arg_names:  # (stage kernels: see kernels.pdl_start)
             constexprs = dict(constexprs, PDL=bool(pdl))
         else:  # (a kernel that cannot wait for the previous one must not start before it ends)
@@ -882,6 +925,10 @@ class Runner(NamedTuple):
     num_experts: int
     xquant_tiles: int  # the GEMV path's xquant programs a token (x's QK-column pieces)
     prologue_pieces: int  # the prologue's quantizing programs a row group (cdiv(cdiv(K, QK), QS))
+    # the Gluon GEMMs' last column tiles in launches of their own, one program a block (``edge_split``;
+    # n_tiles1 / n_tiles2 then count the main launch's whole tiles), or None
+    edge1: Launch | None = None
+    edge2: Launch | None = None
 
     def prologue_programs(self, tokens: int, top_k: int) -> int:
         """The prologue's grid (``kernels.prologue_programs``)."""
@@ -997,10 +1044,45 @@ class GeometryPlans:
         rt = stages[0].constexprs["RT"] if blocked else PROLOGUE["RT"]
         kt = -(-g.hidden_size // PROLOGUE["QK"])
         qs = stages[0].constexprs["QS"] if blocked else kt
-        return Runner(cfg, *stages, -(-g.intermediate_size // cfg.bn1) * cfg.split1,
-                      -(-g.hidden_size // cfg.bn2) * cfg.split2,
+        edge1, edge2 = (self.edge(k, cfg, tokens) if blocked else None for k in ("gemm1", "gemm2"))
+        tiles = (lambda out, bn, edge: out // bn if edge is not None else -(-out // bn))
+        return Runner(cfg, *stages, tiles(g.intermediate_size, cfg.bn1, edge1) * cfg.split1,
+                      tiles(g.hidden_size, cfg.bn2, edge2) * cfg.split2,
                       -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], rt, FINALIZE["BR"], g.num_experts,
-                      kt, -(-kt // qs))
+                      kt, -(-kt // qs), edge1, edge2)
+
+    def _edge_of(self, kind: str, cfg: Config) -> tuple[int, int, int]:
+        """``(width, first column, outputs)`` of a Gluon GEMM's edge launch (``edge_split``; width 0: none)."""
+        g = self.geometry
+        gluon, out, bn = ((cfg.gluon, g.intermediate_size, cfg.bn1) if kind == "gemm1"
+                          else (cfg.gluon2, g.hidden_size, cfg.bn2))
+        w = edge_split(out, bn, GLUON_WIDTHS[kind]) if gluon and not cfg.gemv else 0
+        return w, out // bn * bn, out
+
+    def edge(self, kind: str, cfg: Config, tokens: int | None = None) -> Launch | None:
+        """The launch of ``kind``'s last column tile in its narrower width (``edge_split``), None where
+        there is none: the main launch's kernel and constexprs, the tile's width, warps in proportion
+        (16 or 32 weight rows a warp, as the main launch's), the columns from the main launch's end,
+        and no accumulator rows to zero (the main launch zeroes them where GEMM1 does)."""
+        w, c0, _ = self._edge_of(kind, cfg)
+        if not w:
+            return None
+        main = self.launch(kind, cfg, tokens)
+        bn, warps = (cfg.bn1, cfg.warps1) if kind == "gemm1" else (cfg.bn2, cfg.warps2)
+        nw = warps * w // bn
+        key = ("edge", kind, main.constexprs["BM"], w, main.constexprs["BK"], nw, main.constexprs["STAGES"],
+               main.constexprs.get("ATOMIC"), main.constexprs["HALF"], c0)
+        hit = self.launches.get(key)
+        if hit is not None:
+            return hit
+        rows = 2 * w if kind == "gemm1" else w
+        c = {k: v for k, v in main.constexprs.items() if k != "PDL"}
+        c.update(BN=w, C0=c0, C1=0, **GK.layouts(rows, cfg.bm, nw))
+        if kind == "gemm1":
+            c["ZERO_ACC"] = 0
+        ln = Launch(main.fn, c, nw, 1, gluon_maxnreg(cfg.bm, nw), pdl=self.pdl)
+        self.launches[key] = ln
+        return ln
 
     def stages(self, cfg: Config, tokens: int | None = None) -> tuple:
         """The (prologue, gemm1, gemm2, finalize) launches of ``cfg`` for calls of at most ``tokens``
@@ -1043,8 +1125,11 @@ class GeometryPlans:
             key = (kind, cfg.atomic)
         blocked_gemm = kind in ("gemm1", "gemm2") and not cfg.gemv
         half = tail_tiles(cfg.bm) if blocked_gemm else 0  # (the blocked GEMMs' HALF, in their key too)
+        c1 = 0  # (a Gluon GEMM with an edge launch: the columns its main launch ends at, in its key too)
         if blocked_gemm:
-            key += (half,)
+            w, c0, _ = self._edge_of(kind, cfg)
+            c1 = c0 if w else 0
+            key += (half, c1)
         hit = self.launches.get(key)
         if hit is not None:
             return hit
@@ -1094,8 +1179,8 @@ class GeometryPlans:
                       HAS_LIMIT=g.swiglu_limit is not None, HAS_GS=g.has_global_scales, BM=cfg.bm, BN=cfg.bn1,
                       BK=cfg.bk1, FOLD=self.fold, HALF=half)
             if cfg.gluon:
-                self._check_gluon(cfg, "GEMM1", "bn1", (64, 128), "stages1", 2 * cfg.bn1, cfg.warps1)
-                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, ZERO_ACC=acc_zero_mode(cfg),
+                self._check_gluon(cfg, "GEMM1", "bn1", GLUON_WIDTHS["gemm1"], "stages1", 2 * cfg.bn1, cfg.warps1)
+                ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, ZERO_ACC=acc_zero_mode(cfg), **_cols(c1),
                                                     **GK.layouts(2 * cfg.bn1, cfg.bm, cfg.warps1)),
                         cfg.warps1, 1, gluon_maxnreg(cfg.bm, cfg.warps1))
             else:
@@ -1105,8 +1190,9 @@ class GeometryPlans:
             g2 = dict(common, N=g.intermediate_size, HAS_GS=g.has_global_scales, ATOMIC=cfg.atomic, BM=cfg.bm,
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
             if cfg.gluon2:
-                self._check_gluon(cfg, "GEMM2", "bn2", (128, 256), "stages2", cfg.bn2, cfg.warps2)
-                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **GK.layouts(cfg.bn2, cfg.bm, cfg.warps2)),
+                self._check_gluon(cfg, "GEMM2", "bn2", GLUON_WIDTHS["gemm2"], "stages2", cfg.bn2, cfg.warps2)
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **_cols(c1),
+                                                    **GK.layouts(cfg.bn2, cfg.bm, cfg.warps2)),
                         cfg.warps2, 1, gluon_maxnreg(cfg.bm, cfg.warps2))
             else:
                 ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
