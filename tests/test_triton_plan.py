@@ -651,6 +651,8 @@ def test_pdl_is_on_by_default_where_the_gpu_and_triton_have_it(monkeypatch, cc, 
 @example(out=2880, kind="gemm2", wide=True)
 @example(out=576, kind="gemm1", wide=True)
 @example(out=768, kind="gemm1", wide=True)
+@example(out=64, kind="gemm1", wide=True)
+@example(out=160, kind="gemm2", wide=True)
 @settings(max_examples=60, deadline=None)
 def test_edge_split_runs_the_last_tile_in_the_narrowest_width_that_holds_it(out, kind, wide):
     """``edge_split``: a part-empty last tile runs in the narrowest Gluon width that holds its columns,
@@ -661,10 +663,10 @@ def test_edge_split_runs_the_last_tile_in_the_narrowest_width_that_holds_it(out,
     w = P.edge_split(out, bn, widths)
     rest = out % bn
     if w:
-        assert w in widths and rest <= w < bn and all(x < rest or x >= w for x in widths)
+        assert out > bn and w in widths and rest <= w < bn and all(x < rest or x >= w for x in widths)
         assert (out // bn) * bn + rest == out and (out // bn) * bn % w == 0  # (C0 a multiple of the edge's tile)
     else:
-        assert rest == 0 or not [x for x in widths if rest <= x < bn]
+        assert rest == 0 or out < bn or not [x for x in widths if rest <= x < bn]
     if (out, bn) == (2880, 128) or (out, bn) == (2880, 256):
         assert w == {128: 64, 256: 128}[bn]
 
@@ -672,7 +674,8 @@ def test_edge_split_runs_the_last_tile_in_the_narrowest_width_that_holds_it(out,
 @pytest.mark.parametrize("name, E, K, N, top_k, want", [
     ("gpt-oss-120b", 128, 2880, 2880, 4, ((64, 2816), (128, 2816))),
     ("dsv4.1-tp4", 384, 5120, 576, 6, ((64, 512), None)),
-    ("qwen3-30b-a3b", 128, 2048, 768, 8, (None, None))])
+    ("qwen3-30b-a3b", 128, 2048, 768, 8, (None, None)),
+    ("odd-ep", 5, 160, 64, 2, (None, None))])  # (N and K below a whole tile: one part-empty tile, no edge)
 def test_gluon_gemms_run_their_part_empty_last_tile_narrower(monkeypatch, name, E, K, N, top_k, want):
     """At 128-row blocks (8192 tokens) the Gluon GEMMs' runners carry an edge launch where the outputs are
     not a multiple of the tile (gpt-oss: both GEMMs; DSv4: GEMM1; Qwen3: none): the same kernel at the

@@ -344,10 +344,11 @@ def edge_on() -> bool:
 def edge_split(out: int, bn: int, widths: tuple[int, ...]) -> int:
     """The width of the narrower tile a Gluon GEMM of ``out`` outputs in tiles of ``bn`` runs its last,
     part-empty tile in (the narrowest of ``widths`` that holds the rest), 0 where none: ``out`` a
-    multiple of ``bn``, no narrower width that holds the rest, or ``edge_on()`` false."""
+    multiple of ``bn`` or below it (no whole tile for the main launch), no narrower width that holds
+    the rest, or ``edge_on()`` false."""
     rest = out % bn
     fits = [w for w in widths if rest <= w < bn]
-    return min(fits) if rest and fits and edge_on() else 0
+    return min(fits) if rest and out > bn and fits and edge_on() else 0
 
 
 def edge_status() -> str:
