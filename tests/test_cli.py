@@ -94,11 +94,12 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
     assert "; quarter tiles off (" in _field(_cli("info", "--device", "cpu").stdout, half).group(1)
     monkeypatch.setenv("B12X_OPS_TRITON_HALF", "0")
     assert _field(_cli("info", "--device", "cpu").stdout, half).group(1) == "off (B12X_OPS_TRITON_HALF=0)"
-    # the Gluon GEMMs' part-empty last column tiles in a narrower launch: on by default, off when asked
+    # the Gluon GEMMs' part-empty last column tiles in a narrower launch: off by default, on when asked
     edge = r"^triton narrower last column tiles: (.*)$"
-    assert _field(info, edge).group(1).startswith("on: a Gluon GEMM whose outputs are not a multiple of its tile")
-    monkeypatch.setenv("B12X_OPS_TRITON_EDGE", "0")
-    assert _field(_cli("info", "--device", "cpu").stdout, edge).group(1) == "off (B12X_OPS_TRITON_EDGE=0)"
+    assert _field(info, edge).group(1).startswith("off by default (B12X_OPS_TRITON_EDGE=1 runs a Gluon GEMM's")
+    monkeypatch.setenv("B12X_OPS_TRITON_EDGE", "1")
+    assert _field(_cli("info", "--device", "cpu").stdout, edge).group(1).startswith(
+        "on: a Gluon GEMM whose outputs are not a multiple of its tile")
     # where GEMM2's accumulator is zeroed: the prologue by default, the Gluon GEMM1 when asked, and a
     # place it does not know named
     acc = r"^triton GEMM2 accumulator zeroed by: (.*)$"

@@ -159,9 +159,9 @@ def test_stage_kernels_wait_for_the_previous_launch_first_under_pdl(offline, pdl
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-def test_gluon_gemms_wait_for_the_previous_launch_first_under_pdl(offline, pdl):
+def test_gluon_gemms_wait_for_the_previous_launch_first_under_pdl(offline, monkeypatch, pdl):
     """The Gluon GEMMs of the blocked path (sm_90, 64- and 128-row plans, and the narrower launches of
-    gpt-oss's part-empty last column tiles, ``plan.edge_split``), as programmatic dependent
+    gpt-oss's part-empty last column tiles, ``plan.edge_split``, asked for), as programmatic dependent
     launches, wait for the previous kernel before their first memory access, as every stage kernel
     does (they once launched early without waiting, and read the prologue's routing before it was
     written); without PDL neither instruction is there. The edge launches spill nothing."""
@@ -170,6 +170,7 @@ def test_gluon_gemms_wait_for_the_previous_launch_first_under_pdl(offline, pdl):
 
     if not GK.HAS_GLUON:
         pytest.skip("this triton has no Gluon with Hopper's wgmma")
+    monkeypatch.setenv("B12X_OPS_TRITON_EDGE", "1")
     names = set()
     edges = 0
     for name, sizes in (("qwen3-30b-a3b", (512, 8192)), ("gpt-oss-120b", (8192,))):

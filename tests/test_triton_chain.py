@@ -160,13 +160,13 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
     ("gpt-oss-120b", 512, True, None, True), ("qwen3-30b-a3b", 2048, True, None, False),
     ("dsv4.1-tp4", 300, True, False, True), ("gpt-oss-120b", 4096, True, None, True),
     ("dsv4.1-tp4", 8192, True, False, False)])
-def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, tokens, gluon, atomic, pdl):
+def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, monkeypatch, name, tokens, gluon, atomic, pdl):
     """The blocked path's chain packs, kernel by kernel, the bytes triton's launcher would pass for
     ``_blocked_launches``' arguments, at every token count its plan serves: the grids and the block
     count come from the call's sizes (``_blocked_sizes``, after ``chain.VALUES``); the tl.dot GEMMs
     and the Gluon ones (sm_90's), atomic and row-a-slot GEMM2s, as programmatic dependent launches
     (the default on sm_90) or not, with the Gluon GEMMs' last column tiles in launches of their own
-    (``plan.edge_split``: gpt-oss's GEMM1 and GEMM2, DSv4's GEMM1, at 128-row blocks)."""
+    (``plan.edge_split``, asked for here: gpt-oss's GEMM1 and GEMM2, DSv4's GEMM1, at 128-row blocks)."""
     import dataclasses
 
     import triton
@@ -177,6 +177,7 @@ def test_chain_passes_what_the_blocked_launches_pass(chain_mod, offline, name, t
 
     if gluon and not GK.HAS_GLUON:
         pytest.skip("this triton has no Gluon with Hopper's wgmma")
+    monkeypatch.setenv("B12X_OPS_TRITON_EDGE", "1")
     g = offline._geometry(GEOMETRIES[name])
     gp = P.GeometryPlans(g, True, False, ptx=True, dry=True, fold=True, pdl=pdl)
     gp.ptx, gp.fold, gp.dot_dtype = True, True, triton.language.bfloat16

@@ -655,12 +655,16 @@ def test_pdl_is_on_by_default_where_the_gpu_and_triton_have_it(monkeypatch, cc, 
 @example(out=160, kind="gemm2", wide=True)
 @settings(max_examples=60, deadline=None)
 def test_edge_split_runs_the_last_tile_in_the_narrowest_width_that_holds_it(out, kind, wide):
-    """``edge_split``: a part-empty last tile runs in the narrowest Gluon width that holds its columns,
-    only where that is narrower than the tile; the main launch's whole tiles and that one tile cover the
-    outputs exactly once."""
+    """``edge_split`` (asked for: off by default): a part-empty last tile runs in the narrowest Gluon width
+    that holds its columns, only where that is narrower than the tile and the main launch keeps a whole
+    tile; the main launch's whole tiles and that one tile cover the outputs exactly once."""
     widths = P.GLUON_WIDTHS[kind]
     bn = widths[-1] if wide else widths[0]
-    w = P.edge_split(out, bn, widths)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("B12X_OPS_TRITON_EDGE", "0")  # (off: never)
+        assert P.edge_split(out, bn, widths) == 0
+        mp.setenv("B12X_OPS_TRITON_EDGE", "1")
+        w = P.edge_split(out, bn, widths)
     rest = out % bn
     if w:
         assert out > bn and w in widths and rest <= w < bn and all(x < rest or x >= w for x in widths)
@@ -681,14 +685,17 @@ def test_gluon_gemms_run_their_part_empty_last_tile_narrower(monkeypatch, name, 
     not a multiple of the tile (gpt-oss: both GEMMs; DSv4: GEMM1; Qwen3: none): the same kernel at the
     narrower width from the main launch's last whole tile (``C0``), warps in proportion, GEMM1's edge
     zeroing no accumulator rows; the main launch ends there (``C1``) and counts its whole tiles.
-    B12X_OPS_TRITON_EDGE=0: no edge, the main launch over every column as before."""
+    B12X_OPS_TRITON_EDGE=1 asks for them; 0 (and the default): no edge, the main launch over every column."""
     from b12x_ops.backends.triton import gluon_kernels as GK
 
     if not GK.HAS_GLUON:
         pytest.skip("this triton has no Gluon with Hopper's wgmma")
     g = geometry(E, K, N, top_k)
-    for on in (True, False):
-        monkeypatch.setenv("B12X_OPS_TRITON_EDGE", "1" if on else "0")
+    for on in (True, False, None):
+        if on is None:  # (the default: off)
+            monkeypatch.delenv("B12X_OPS_TRITON_EDGE", raising=False)
+        else:
+            monkeypatch.setenv("B12X_OPS_TRITON_EDGE", "1" if on else "0")
         gp = P.GeometryPlans(g, True, False, ptx=True, dry=True, fold=True)
         gp.ptx, gp.gluon = True, True
         cfg = gp.with_gluon(P.default_config(8192, g, gemv=False), 8192)

@@ -333,12 +333,16 @@ def tail_tiles(bm: int) -> int:
 # tile were issued for absent columns as for real ones (``benchmarks/results/issued_work.md``): at
 # 128-row blocks gpt-oss (N = K = 2880) issued GEMM1's 23rd tile of 128 columns with 64 real and
 # GEMM2's 12th of 256 outputs with 64, the DeepSeek rank (N = 576) GEMM1's fifth of 128 with 64.
-# B12X_OPS_TRITON_EDGE=0 turns it off.
+# Off by default (B12X_OPS_TRITON_EDGE=1 turns it on): on an H100 at 8192 tokens the whole op was slower
+# with it, gpt-oss 3.0 % and DSv4 1.9 % (``benchmarks/results/edge_tiles.md``). An edge program runs
+# the whole reduction as a wide one does (the same work a warp, half the warps), after the main
+# launch's last wave: what the narrower tile saves in MMAs the extra wave of full-length programs
+# costs back.
 GLUON_WIDTHS = {"gemm1": (64, 128), "gemm2": (128, 256)}  # (the Gluon GEMMs' tile widths: bn1, bn2)
 
 
 def edge_on() -> bool:
-    return os.environ.get("B12X_OPS_TRITON_EDGE", "1") == "1"
+    return os.environ.get("B12X_OPS_TRITON_EDGE", "0") == "1"
 
 
 def edge_split(out: int, bn: int, widths: tuple[int, ...]) -> int:
@@ -354,9 +358,10 @@ def edge_split(out: int, bn: int, widths: tuple[int, ...]) -> int:
 def edge_status() -> str:
     """Whether Gluon GEMMs run a part-empty last column tile narrower (``b12x-ops info``)."""
     if not edge_on():
-        return "off (B12X_OPS_TRITON_EDGE=0)"
+        return ("off by default (B12X_OPS_TRITON_EDGE=1 runs a Gluon GEMM's part-empty last column tile in a "
+                "narrower launch of its own; slower at 8192 tokens on an H100)")
     return ("on: a Gluon GEMM whose outputs are not a multiple of its tile runs the last tile in a launch of "
-            "its own, in the narrowest tile that holds it (B12X_OPS_TRITON_EDGE=0 turns it off)")
+            "its own, in the narrowest tile that holds it (B12X_OPS_TRITON_EDGE=1)")
 
 
 # Atomic plans with the Gluon GEMM1 may zero GEMM2's fp32 accumulator there (every GEMM1 program its
