@@ -157,7 +157,7 @@ _REGIMES = (
 # the previous one in its first statement (``kernels.pdl_start``), where the GPU (sm_90+) and triton
 # support it; B12X_OPS_TRITON_PDL=0 turns it off. On by default since the eager calls launch by
 # their chain (``chain.py``), whose C call passes the attribute at no host cost (through triton's
-# launcher it cost host time: ``benchmarks/results/pdl_compare.md``): on an H100, graph replay 0.5-7 %
+# launcher it cost host time: ``benchmarks/results/pdl_compare.md``): on an H100, graph replay 0.2-6.7 %
 # faster at 1-64 tokens, the same at 2048, and a loop of eager calls 1-4 us less a call
 # (``benchmarks/results/pdl_chain.md``).
 PDL_DEFAULT = True
@@ -1057,20 +1057,20 @@ class GeometryPlans:
                       -(-g.hidden_size // FINALIZE["BK"]), PROLOGUE["QR"], rt, FINALIZE["BR"], g.num_experts,
                       kt, -(-kt // qs), edge1, edge2)
 
-    def _edge_of(self, kind: str, cfg: Config) -> tuple[int, int, int]:
-        """``(width, first column, outputs)`` of a Gluon GEMM's edge launch (``edge_split``; width 0: none)."""
+    def _edge_of(self, kind: str, cfg: Config) -> tuple[int, int]:
+        """``(width, first column)`` of a Gluon GEMM's edge launch (``edge_split``; width 0: none)."""
         g = self.geometry
         gluon, out, bn = ((cfg.gluon, g.intermediate_size, cfg.bn1) if kind == "gemm1"
                           else (cfg.gluon2, g.hidden_size, cfg.bn2))
         w = edge_split(out, bn, GLUON_WIDTHS[kind]) if gluon and not cfg.gemv else 0
-        return w, out // bn * bn, out
+        return w, out // bn * bn
 
     def edge(self, kind: str, cfg: Config, tokens: int | None = None) -> Launch | None:
         """The launch of ``kind``'s last column tile in its narrower width (``edge_split``), None where
         there is none: the main launch's kernel and constexprs, the tile's width, warps in proportion
         (16 or 32 weight rows a warp, as the main launch's), the columns from the main launch's end,
         and no accumulator rows to zero (the main launch zeroes them where GEMM1 does)."""
-        w, c0, _ = self._edge_of(kind, cfg)
+        w, c0 = self._edge_of(kind, cfg)
         if not w:
             return None
         main = self.launch(kind, cfg, tokens)
@@ -1133,7 +1133,7 @@ class GeometryPlans:
         half = tail_tiles(cfg.bm) if blocked_gemm else 0  # (the blocked GEMMs' HALF, in their key too)
         c1 = 0  # (a Gluon GEMM with an edge launch: the columns its main launch ends at, in its key too)
         if blocked_gemm:
-            w, c0, _ = self._edge_of(kind, cfg)
+            w, c0 = self._edge_of(kind, cfg)
             c1 = c0 if w else 0
             key += (half, c1)
         hit = self.launches.get(key)
