@@ -2,7 +2,8 @@
 # One device call: the GPU tests, then the benchmark. Results land under $OUT (or ./out).
 # usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all] [extra bench args...]
 # ptests: the whole GPU suite in thirteen processes at once (its time is mostly compiling, on the CPU:
-# about 4-5 minutes on the H200 machine against 15 or more in one process), one log.
+# about 4-6 minutes on the H100/H200 machines against 15 or more in one process; each process stops at
+# PTESTS_TIMEOUT, default 400 s), one log.
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -22,7 +23,7 @@ if [ "$what" = ptests ]; then
           "not test_gpu_matches_reference and not gluon and not tuner and not routing and not deterministic and not gemv and not ptx and not short_k and not every_tile and not half_tiles and not edge_tiles and not pdl")
   tmp=$(mktemp -d)
   for i in "${!groups[@]}"; do
-    B12X_OPS_CACHE_DIR="$B12X_OPS_CACHE_DIR/p$i" setsid timeout -k 5 "${PTESTS_TIMEOUT:-300}" python3 -m pytest \
+    B12X_OPS_CACHE_DIR="$B12X_OPS_CACHE_DIR/p$i" setsid timeout -k 5 "${PTESTS_TIMEOUT:-400}" python3 -m pytest \
       tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider -k "${groups[$i]}" > "$tmp/$i.log" 2>&1 &
   done
   wait
