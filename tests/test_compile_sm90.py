@@ -181,7 +181,7 @@ def test_gluon_gemms_wait_for_the_previous_launch_first_under_pdl(offline, monke
         for M in sizes:
             cfg = gp.with_gluon(P.default_config(M, g), M)
             rn = gp.runner(cfg, M)
-            for ln in [rn.gemm1, rn.gemm2] + [e for e in (rn.edge1, rn.edge2) if e is not None]:
+            for ln in [rn.gemm1, rn.gemm2] + rn.edges:
                 ck = offline.compile_launch(ln, 90)
                 edge = ln in (rn.edge1, rn.edge2)
                 edges += edge

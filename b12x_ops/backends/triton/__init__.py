@@ -412,7 +412,7 @@ def _build_chain(state, rn):
     if cfg.gemv:
         used = [rn.gemm1, rn.gemm2] + ([rn.prologue] if cfg.xq else [])
     else:
-        used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize] + [e for e in (rn.edge1, rn.edge2) if e is not None]
+        used = [rn.prologue, rn.gemm1, rn.gemm2, rn.finalize] + rn.edges
     if any(ln is None or ln.compiled is None for ln in used):
         return _NOT_YET
     _CH_MOD = _CH.module()
@@ -595,14 +595,11 @@ def _blocked_launches(state, rn, tens, addr, x, ids, w, out, m, sx, si0, si1, sw
             if ln is None:
                 continue
             o = _ops(ln, tens, addr)
-            if cfg.gluon:  # (also the accumulator and each program's rows of it to zero, if asked: plan.acc_zero_mode)
-                out_l.append((ln, (grid, 1, 1),
-                              (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"],
-                               o["g13"], o["act"], o["acc"], nb, state.limit, zrows, m)))
-            else:
-                out_l.append((ln, (grid, 1, 1),
-                              (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"],
-                               o["g13"], o["act"], nb, state.limit)))
+            ops = (o["xq"], o["sorted"], o["blk_expert"], o["blk_rows"], o["w13"], o["w13_scale"], o["g13"], o["act"])
+            # (the Gluon GEMM1 also takes the accumulator and each program's rows of it to zero, if asked:
+            # plan.acc_zero_mode)
+            out_l.append((ln, (grid, 1, 1), ops + ((o["acc"], nb, state.limit, zrows, m) if cfg.gluon
+                                                   else (nb, state.limit))))
     if "gemm2" in stages:
         for ln, grid in ((rn.gemm2, g2), (rn.edge2, nb)):
             if ln is None:

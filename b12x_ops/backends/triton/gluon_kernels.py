@@ -67,7 +67,7 @@ try:
 except ImportError:  # pragma: no cover - a triton without Gluon
     HAS_GLUON = False
 
-from .kernels import _swiglu
+from .kernels import _block_tile, _swiglu
 from .mxtl import (_DECODE_PTX, _DECODE_PTX_FOLD, _SCALE_PAIRS_PTX, _SCALE_PAIRS_PTX_FOLD, mxfp8_apply,
                    mxfp8_block_scale)
 
@@ -109,23 +109,6 @@ if HAS_GLUON:
     def _operand_of(mma):
         """The wgmma's register operand layout of accumulator layout ``mma`` (``layouts``' ``a_l``)."""
         return gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-
-    @gluon.constexpr_function
-    def _col_tiles(out, bn, c0, c1):
-        """Column tiles of ``bn`` a block of a launch covering outputs ``[c0, c1)`` of ``out`` (``c1`` 0:
-        to ``out``)."""
-        return -(-((c1 or out) - c0) // bn)
-
-    @gluon.jit
-    def _block_cols(blk_expert_ptr, OUT: gl.constexpr, BN: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr):
-        """``kernels._block_tile`` for a launch of the outputs ``[C0, C1)`` of ``OUT`` (``C1`` 0: to ``OUT``;
-        ``C0`` a multiple of ``BN``): ``(expert block, tile of BN of the OUT outputs, the block's expert)``,
-        the tile counted from output 0, so that a GEMM's last, part-empty tile can run in a narrower
-        launch of its own (``plan.edge_split``)."""
-        NT: gl.constexpr = _col_tiles(OUT, BN, C0, C1)
-        pid = gl.program_id(0)
-        pid_m = pid // NT
-        return pid_m, C0 // BN + pid % NT, gl.load(blk_expert_ptr + pid_m)
 
     @gluon.jit
     def _gdc(PDL: gl.constexpr):
@@ -438,11 +421,11 @@ if HAS_GLUON:
         ``acc`` (``[M, K]``) first (1) or last (2), in the prologue's place: fire-and-forget stores
         beside a compute-bound kernel instead of the prologue's largest write. ``PDL``: launched as a
         programmatic dependent launch (``_gdc``, before anything else). ``C0``, ``C1``: the launch covers the
-        columns ``[C0, C1)`` of up and of gate (``_block_cols``; default all)."""
+        columns ``[C0, C1)`` of up and of gate (``kernels._block_tile``; default all)."""
         _gdc(PDL)
         if ZERO_ACC == 1:
             _zero_rows(acc_ptr, zrows, M, K)
-        pid_m, pid_n, e = _block_cols(blk_expert_ptr, N, BN, C0, C1)
+        pid_m, pid_n, e = _block_tile(blk_expert_ptr, N, BN, C0, C1)
         if e < 0:
             if ZERO_ACC == 2:
                 _zero_rows(acc_ptr, zrows, M, K)
@@ -555,7 +538,7 @@ if HAS_GLUON:
         ``HALF``: a block of at most BM / 2 rows runs the tile of BM / 2, and with ``HALF`` 2 one of at most
         BM / 4 rows the tile of BM / 4. ``PDL``, ``C0``, ``C1`` (of the K outputs): as ``gemm1_gluon_kernel``'s."""
         _gdc(PDL)
-        pid_m, pid_n, e = _block_cols(blk_expert_ptr, K, BN, C0, C1)
+        pid_m, pid_n, e = _block_tile(blk_expert_ptr, K, BN, C0, C1)
         if e < 0:
             return
         nrow = gl.load(blk_rows_ptr + pid_m)

@@ -74,14 +74,18 @@ def local_expert(gid, expert_offset, E: tl.constexpr):
 
 
 @triton.jit
-def _block_tile(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr):
+def _block_tile(blk_expert_ptr, OUT: tl.constexpr, BN: tl.constexpr, C0: tl.constexpr = 0, C1: tl.constexpr = 0):
     """A blocked GEMM program's ``(expert block, tile of BN of the OUT outputs, the block's
     expert)``, block-major: a block's tiles run together and share its rows in L2. The expert is
-    negative for a block past the batch's real ones (the program then does nothing)."""
+    negative for a block past the batch's real ones (the program then does nothing). ``C0``, ``C1``:
+    a launch of the outputs ``[C0, C1)`` only (``C1`` 0: to OUT; ``C0`` a multiple of BN), its tiles
+    still counted from output 0, so that a Gluon GEMM's last, part-empty tile can run in a narrower
+    launch of its own (``plan.edge_split``)."""
     pid = tl.program_id(0)
-    NT: tl.constexpr = (OUT + BN - 1) // BN
+    END: tl.constexpr = OUT if C1 == 0 else C1
+    NT: tl.constexpr = (END - C0 + BN - 1) // BN
     pid_m = pid // NT
-    return pid_m, pid % NT, tl.load(blk_expert_ptr + pid_m)
+    return pid_m, C0 // BN + pid % NT, tl.load(blk_expert_ptr + pid_m)
 
 
 @triton.jit

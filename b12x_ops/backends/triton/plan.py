@@ -328,7 +328,7 @@ def tail_tiles(bm: int) -> int:
 
 # A Gluon GEMM whose outputs are not a multiple of its tile width runs its last, part-empty column
 # tile in a launch of its own in the narrower tile (``edge_split``): the same kernel over the columns
-# from ``C0`` (``gluon_kernels._block_cols``), its warps in proportion, right after the main launch,
+# from ``C0`` (``kernels._block_tile``), its warps in proportion, right after the main launch,
 # which then covers the whole tiles. Its MMAs and decode scale with the tile's rows, which in the wide
 # tile were issued for absent columns as for real ones (``benchmarks/results/issued_work.md``): at
 # 128-row blocks gpt-oss (N = K = 2880) issued GEMM1's 23rd tile of 128 columns with 64 real and
@@ -935,6 +935,11 @@ class Runner(NamedTuple):
     # n_tiles1 / n_tiles2 then count the main launch's whole tiles), or None
     edge1: Launch | None = None
     edge2: Launch | None = None
+
+    @property
+    def edges(self) -> list:
+        """The edge launches this runner has (none, GEMM1's, GEMM2's or both)."""
+        return [e for e in (self.edge1, self.edge2) if e is not None]
 
     def prologue_programs(self, tokens: int, top_k: int) -> int:
         """The prologue's grid (``kernels.prologue_programs``)."""
