@@ -458,7 +458,7 @@ def diagnose(handles, args, E, K, top_k, log):
     gp = st.plans
     g = gp.geometry
     out = []
-    for M in [m for m in (1, 16, 64, 512, 2048, 8192) if m in args.sizes]:
+    for M in [m for m in (1, 4, 8, 16, 64, 512, 2048, 8192) if m in args.sizes]:
         _, ids, w = routing(M, E, top_k, "cuda", 7)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         o = torch.empty_like(x)
