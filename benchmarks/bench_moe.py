@@ -289,6 +289,37 @@ def whole_op_us(handles, cfg, xs, idss, wss, outs, reps=10):
     return graph_time(calls, reps=reps) * 1e6
 
 
+# sm_90's per-SM limits (H100, H200), for results made before the benchmark recorded its GPU's
+SM90_LIMITS = dict(sms=132, regs=65536, threads=2048, smem=233472, blocks=32)
+
+
+def sm_limits(device=None) -> dict:
+    """The GPU's SM count and the per-SM limits that decide how many programs of a kernel run at once:
+    registers, resident threads, shared memory, blocks (CUDA's 32 for every GPU this benchmark runs on)."""
+    p = torch.cuda.get_device_properties(device)
+    return dict(sms=p.multi_processor_count, regs=getattr(p, "regs_per_multiprocessor", SM90_LIMITS["regs"]),
+                threads=p.max_threads_per_multi_processor,
+                smem=getattr(p, "shared_memory_per_multiprocessor", SM90_LIMITS["smem"]), blocks=SM90_LIMITS["blocks"])
+
+
+def programs_per_sm(regs: int, warps: int, shared: int, limits: dict) -> int:
+    """Programs of a kernel of ``regs`` registers a thread, ``warps`` warps and ``shared`` bytes of
+    shared memory that one SM holds at once: a warp's registers come from one of the SM's four
+    register files in units of 256 (a thread's count rounded up to 8), a block's shared memory with
+    1 KiB the driver reserves, and the SM's threads and blocks bound the rest."""
+    per_warp = -(-max(regs, 1) // 8) * 8 * 32
+    by_regs = 4 * ((limits["regs"] // 4) // per_warp) // warps
+    by_threads = limits["threads"] // (32 * warps)
+    by_smem = limits["smem"] // (shared + 1024)
+    return max(0, min(by_regs, by_threads, by_smem, limits["blocks"]))
+
+
+def waves(programs: int, per_sm: int, sms: int) -> float:
+    """A launch's programs over the programs all SMs hold at once (1.16: a full wave and a sixth; the
+    last, part-full wave is the grid's tail)."""
+    return programs / max(1, per_sm * sms)
+
+
 def rel_l2(a, b) -> float:
     """Relative L2 distance of ``a`` from ``b``, in fp32."""
     a, b = a.float(), b.float()
@@ -486,6 +517,16 @@ def diagnose(handles, args, E, K, top_k, log):
     return out
 
 
+def _stage_cell(st: dict, limits: dict) -> str:
+    """A stage's per-stage cell: time, grid, registers, spills and, where the kernel's registers, warps
+    and shared memory are known, the programs an SM holds and the grid's waves."""
+    cell = f"{st['us']:.1f} (grid {st['programs']}, {st['regs']} regs, {st['spills']} spills"
+    if st.get("regs") is not None and st.get("warps") and st.get("shared") is not None:
+        per_sm = programs_per_sm(st["regs"], st["warps"], st["shared"], limits)
+        cell += f", {per_sm}/SM, {waves(st['programs'], per_sm, limits['sms']):.2f} waves"
+    return cell + ")"
+
+
 def _overhead_cell(p) -> str:
     """The eager overhead and, where measured, its host and GPU shares (medians each, so they need not
     add up exactly)."""
@@ -553,15 +594,18 @@ def write_markdown(res, path):
             lines += [f"Eager calls at M = {', '.join(chained)} launch their kernels by one C call "
                       "(`backends/triton/chain.py`); the others through triton's launcher, a launch at a time.", ""]
         if g.get("diagnosis"):
+            lim = res.get("sm_limits") or SM90_LIMITS
             lines += ["Per-stage times a layer (us; each stage alone, CUDA-graph replay over the layers), with grid "
-                      "(programs), registers/thread and spills. bm: the blocked path's block rows; GEMV: "
-                      "the small-M path (gemv1, gemv2 in the gemm columns; from a few tokens on, x's quantization in the "
-                      "prologue column; no finalize):", "",
+                      "(programs), registers/thread, spills, and the programs an SM holds at once (from registers, "
+                      "warps and shared memory) with the grid's waves on the GPU's "
+                      f"{lim['sms']} SMs{'' if res.get('sm_limits') else ' (sm_90 taken: the run did not record its GPU)'} "
+                      "(the grid counts every program launched, those of empty blocks too). bm: the blocked path's "
+                      "block rows; GEMV: the small-M path (gemv1, gemv2 in the gemm columns; from a few tokens on, x's "
+                      "quantization in the prologue column; no finalize):", "",
                       "| M | bm | active experts | blocks | prologue | gemm1 | gemm2 | finalize |", "|---|---|---|---|---|---|---|---|"]
             for d in g["diagnosis"]:
                 st = d["stages"]
-                cells = [f"{st[k]['us']:.1f} (grid {st[k]['programs']}, {st[k]['regs']} regs, {st[k]['spills']} spills)"
-                         if k in st else "-" for k in ("prologue", "gemm1", "gemm2", "finalize")]
+                cells = [_stage_cell(st[k], lim) if k in st else "-" for k in ("prologue", "gemm1", "gemm2", "finalize")]
                 c = d["config"]
                 kind = "GEMV" if c.get("gemv") else f"{c['bm']}"
                 lines.append(f"| {d['M']} | {kind} | {d['active_experts']} | {d['nblocks']} | " + " | ".join(cells) + " |")
@@ -737,7 +781,7 @@ def main(argv=None):
         (" --diagnose" if args.diagnose else "") + \
         (f" --variant {args.variant}" if args.variant else "")
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               copy_bw=bw, bf16_peak=peak, command=cmd, geometries=[])
+               copy_bw=bw, bf16_peak=peak, sm_limits=sm_limits(), command=cmd, geometries=[])
     variant = load_variant(args.variant)
     for name in args.geometries:
         res["geometries"].append(bench_geometry(name, GEOMETRIES[name], args, bw, peak, log, variant))

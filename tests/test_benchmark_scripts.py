@@ -138,6 +138,51 @@ def test_bench_markdown_splits_eager_overhead_into_host_and_gpu_shares(tmp_path,
     assert "eager overhead (host + GPU)" in path.read_text()
 
 
+def test_programs_per_sm_follows_registers_threads_shared_memory_and_blocks(monkeypatch):
+    """``bench_moe.programs_per_sm``: a warp's registers in units of 256 from one of four register files, a
+    block's shared memory with the driver's 1 KiB, and the SM's threads and blocks (sm_90's limits)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+
+    lim = B.SM90_LIMITS
+    assert B.programs_per_sm(96, 4, 4, lim) == 5  # (3072 registers a warp: 5 warps a register file)
+    assert B.programs_per_sm(143, 4, 36864, lim) == 3  # (rounded up to 144: 3 warps a file, 12 warps)
+    assert B.programs_per_sm(128, 16, 1024, lim) == 1  # (16 warps of 128: the whole register file)
+    assert B.programs_per_sm(64, 8, 0, lim) == 4
+    assert B.programs_per_sm(24, 4, 0, lim) == 16  # (registers for 21: the 2048 threads bound it)
+    assert B.programs_per_sm(32, 4, 100 * 1024, lim) == 2  # (shared memory: 2 x (100 + 1) KiB of 228)
+    assert B.programs_per_sm(16, 1, 0, lim) == 32  # (one-warp programs: the SM's 32 blocks)
+    assert B.programs_per_sm(255, 32, 0, lim) == 0  # (more registers than an SM has: none fits)
+    assert B.waves(768, 5, 132) == 768 / 660
+
+
+def test_bench_markdown_gives_each_stage_its_programs_an_sm_and_waves(tmp_path, monkeypatch):
+    """The per-stage cells add the programs an SM holds and the grid's waves, from the kernel's registers,
+    warps and shared memory and the run's recorded SM limits (sm_90's for a run that recorded none)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+
+    base = dict(ours_us=10.0, limit_us=5.0, pct_of_limit=50.0, pct_bf16_peak=1.0, eager_us=11.0, eager_overhead_us=1.5,
+                host_us=9.0, rel_err_vs_ref=None, eager_fused=False, eager_chained=False)
+    geo = dict(name="tiny", E=4, K=64, N=32, top_k=2, limit=None)
+    stages = dict(gemm1=dict(us=17.0, programs=768, regs=96, spills=0, shared=4, warps=4),
+                  gemm2=dict(us=9.0, programs=1024, regs=64, spills=0))  # (a stage from before warps were kept)
+    diag = [dict(M=4, config=dict(gemv=True), active_experts=8, nblocks=8, stages=stages)]
+    for limits, sms, cell in ((None, 132, "5/SM, 1.16 waves"), (dict(B.SM90_LIMITS, sms=66), 66, "5/SM, 2.33 waves")):
+        res = dict(device="cpu", torch="t", triton="t", copy_bw=1e12, bf16_peak=1e14, command="bench",
+                   geometries=[dict(geometry=geo, layers=2, points=[dict(base, M=4)], diagnosis=diag)])
+        if limits:
+            res["sm_limits"] = limits
+        path = tmp_path / "results.md"
+        B.write_markdown(res, str(path))
+        text = path.read_text()
+        row = next(ln for ln in text.splitlines() if ln.startswith("| 4 | GEMV |"))
+        assert f"17.0 (grid 768, 96 regs, 0 spills, {cell})" in row, row
+        assert "9.0 (grid 1024, 64 regs, 0 spills) |" in row, row
+        assert f"on the GPU's {sms} SMs" in text
+        assert ("sm_90 taken" in text) == (limits is None)
+
+
 def test_bench_markdown_gives_the_idle_start_overhead_where_the_host_runs_ahead(tmp_path, monkeypatch):
     """The idle-start cell (``bench_moe.idle_pair_overhead``) gives the overhead and its host share (less
     the queued GPU share) only where the host issues a call faster than its graph replay runs, "-" where
