@@ -175,7 +175,7 @@ def compile_launch(launch: P.Launch, arch: int):
 
 def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_moe import GEOMETRIES
+    from bench_moe import GEOMETRIES, SM90_LIMITS, programs_per_sm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
@@ -191,8 +191,8 @@ def main(argv=None):
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]
     print(f"triton {triton.__version__}, target sm_{args.arch}")
-    print("| geometry | M | stage | kernel | tiles | warps/stages | resources | async copies |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| geometry | M | stage | kernel | tiles | warps/stages | resources | programs an SM (sm_90) | async copies |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.geometries:
         geo = GEOMETRIES[name]
         g = _geometry(geo)
@@ -214,15 +214,17 @@ def main(argv=None):
                     res = resources(ck.asm["cubin"], ln.fn.__name__)
                     asyncs = ck.asm["ptx"].count("cp.async")
                     res = res.split(" CONSTANT")[0] + f" dyn-smem:{ck.metadata.shared}"
+                    per_sm = programs_per_sm(int(re.search(r"REG:(\d+)", res).group(1)), ln.num_warps,
+                                             ck.metadata.shared, SM90_LIMITS)
                 except Exception as exc:  # noqa: BLE001 - report and go on
-                    res, asyncs = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", ""
+                    res, asyncs, per_sm = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", "", ""
                 tiles = {k: v for k, v in ln.constexprs.items() if k.startswith("B") or k in ("RT", "NBT")}
                 print(f"| {name} | {M} | {stage} | {ln.fn.__name__} | {tiles} | {ln.num_warps}/{ln.num_stages} "
-                      f"| {res} | {asyncs} |", flush=True)
+                      f"| {res} | {per_sm} | {asyncs} |", flush=True)
                 if args.loops and asyncs != "":
                     for n, ops in loop_profile(ck.asm["cubin"]):
                         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(10))
-                        print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |", flush=True)
+                        print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |  |", flush=True)
 
 
 def _geometry(geo):

@@ -561,3 +561,22 @@ def _check_fp8_experiment_launches(offline, gp, cfg, which, form, base_loop):
             assert ops["FADD"] >= 2 * 32, ops["FADD"]  # (two promotions a trip, 32+ accumulators a thread)
         else:
             assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, (form, w)
+
+
+def test_offline_report_gives_each_launch_its_programs_an_sm(offline, capsys):
+    """``compile_offline.py``'s table: each launch's registers and shared memory, and the programs an
+    sm_90 SM holds of it (``bench_moe.programs_per_sm`` of those registers, the launch's warps and its
+    shared memory), the count the benchmark's per-stage waves are made of."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from bench_moe import SM90_LIMITS, programs_per_sm
+    finally:
+        sys.path.pop(0)
+    offline.main(["--geometries", "qwen3-30b-a3b", "--sizes", "1", "--stages", "gemm1", "gemm2"])
+    rows = [ln.split(" | ") for ln in capsys.readouterr().out.splitlines() if ln.startswith("| qwen3-30b-a3b | 1 |")]
+    assert len(rows) == 2, rows
+    for row in rows:
+        warps = int(row[5].split("/")[0])
+        regs = int(re.search(r"REG:(\d+)", row[6]).group(1))
+        shared = int(re.search(r"dyn-smem:(\d+)", row[6]).group(1))
+        assert int(row[7]) == programs_per_sm(regs, warps, shared, SM90_LIMITS) > 0, row
