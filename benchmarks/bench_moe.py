@@ -496,34 +496,51 @@ def diagnose(handles, args, E, K, top_k, log):
         _, cfg = gp.plan_for(M)
         b12x_ops.moe_w4a8_out(x, ids, w, handles[0], o)
         nb = M * top_k if cfg.gemv else num_blocks(M * top_k, E, cfg.bm)
+        used = nb if cfg.gemv else used_blocks(ids, E, cfg.bm)  # (the blocks routing fills; the rest exit at once)
         rn = gp.runner_for(M)  # what the op launches (its tile counts include the GEMV kernels' splits)
+
+        def gemm_programs(b):  # (of b blocks, with the edge launches' programs)
+            return dict(gemm1=b * rn.n_tiles1 + (b if rn.edge1 is not None else 0),
+                        gemm2=(M if cfg.gemv else b) * rn.n_tiles2 + (b if rn.edge2 is not None else 0))
+
         grids = {"prologue": M * rn.xquant_tiles if cfg.gemv else rn.prologue_programs(M, top_k),
-                 "gemm1": nb * rn.n_tiles1 + (nb if rn.edge1 is not None else 0),  # (with the edge launch's)
-                 "gemm2": (M if cfg.gemv else nb) * rn.n_tiles2 + (nb if rn.edge2 is not None else 0),
-                 "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"])}
+                 "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"]), **gemm_programs(nb)}
+        busy = {**grids, **gemm_programs(used)}
         stages = {}
         for s_ in gp.kinds(cfg):
             ln = rn[1 + ("prologue", "gemm1", "gemm2", "finalize").index(s_)]
             t = graph_time([lambda s_=s_, h=h: _launch(h._state, rn, x, ids, w, o, (s_,)) for h in handles], 10) * 1e6
             ck = ln.compiled
-            stages[s_] = dict(us=t, programs=grids[s_], regs=getattr(ck, "n_regs", None),
+            stages[s_] = dict(us=t, programs=grids[s_], busy=busy[s_], regs=getattr(ck, "n_regs", None),
                               spills=getattr(ck, "n_spills", None), shared=getattr(ck.metadata, "shared", None),
                               warps=ln.num_warps)
         active = int(torch.unique(ids).numel())
         log(f"  diag M={M} cfg={cfg} active experts={active} nblocks={nb}: " +
             "; ".join(f"{k} {v['us']:.1f}us grid={v['programs']} regs={v['regs']} spills={v['spills']} "
                       f"smem={v['shared']}" for k, v in stages.items()))
-        out.append(dict(M=M, config=cfg.as_dict(), active_experts=active, nblocks=nb, stages=stages))
+        out.append(dict(M=M, config=cfg.as_dict(), active_experts=active, nblocks=nb, used_blocks=used, stages=stages))
     return out
 
 
+def used_blocks(ids: torch.Tensor, E: int, bm: int) -> int:
+    """The expert blocks of ``bm`` rows a routing ``ids`` (local expert ids, ``[M, top_k]``; others
+    ignored) fills: each expert's rows in whole blocks. The launches' grids hold every block a call of
+    that many slots could need (``kernels.num_blocks``); the programs of the others exit at once."""
+    ids = ids.flatten().long()
+    counts = torch.bincount(ids[(ids >= 0) & (ids < E)], minlength=E)
+    return int(((counts + bm - 1) // bm).sum())
+
+
 def _stage_cell(st: dict, limits: dict) -> str:
-    """A stage's per-stage cell: time, grid, registers, spills and, where the kernel's registers, warps
-    and shared memory are known, the programs an SM holds and the grid's waves."""
-    cell = f"{st['us']:.1f} (grid {st['programs']}, {st['regs']} regs, {st['spills']} spills"
+    """A stage's per-stage cell: time, grid (and how many of its programs have a block to work on, where
+    fewer), registers, spills and, where the kernel's registers, warps and shared memory are known, the
+    programs an SM holds and the waves of the working programs."""
+    busy = st.get("busy", st["programs"])
+    cell = f"{st['us']:.1f} (grid {st['programs']}{f', {busy} busy' if busy != st['programs'] else ''}, " \
+           f"{st['regs']} regs, {st['spills']} spills"
     if st.get("regs") is not None and st.get("warps") and st.get("shared") is not None:
         per_sm = programs_per_sm(st["regs"], st["warps"], st["shared"], limits)
-        cell += f", {per_sm}/SM, {waves(st['programs'], per_sm, limits['sms']):.2f} waves"
+        cell += f", {per_sm}/SM, {waves(busy, per_sm, limits['sms']):.2f} waves"
     return cell + ")"
 
 
@@ -597,9 +614,10 @@ def write_markdown(res, path):
             lim = res.get("sm_limits") or SM90_LIMITS
             lines += ["Per-stage times a layer (us; each stage alone, CUDA-graph replay over the layers), with grid "
                       "(programs), registers/thread, spills, and the programs an SM holds at once (from registers, "
-                      "warps and shared memory) with the grid's waves on the GPU's "
+                      "warps and shared memory) with the waves of the busy programs on the GPU's "
                       f"{lim['sms']} SMs{'' if res.get('sm_limits') else ' (sm_90 taken: the run did not record its GPU)'} "
-                      "(the grid counts every program launched, those of empty blocks too). bm: the blocked path's "
+                      "(the grid holds a program for every block a call of that many slots could need; \"busy\": those "
+                      "whose block the routing filled, where fewer; the others exit at once). bm: the blocked path's "
                       "block rows; GEMV: the small-M path (gemv1, gemv2 in the gemm columns; from a few tokens on, x's "
                       "quantization in the prologue column; no finalize):", "",
                       "| M | bm | active experts | blocks | prologue | gemm1 | gemm2 | finalize |", "|---|---|---|---|---|---|---|---|"]

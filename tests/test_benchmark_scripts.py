@@ -156,6 +156,19 @@ def test_programs_per_sm_follows_registers_threads_shared_memory_and_blocks(monk
     assert B.waves(768, 5, 132) == 768 / 660
 
 
+def test_used_blocks_counts_each_experts_rows_in_whole_blocks(monkeypatch):
+    """``bench_moe.used_blocks``: the blocks of ``bm`` rows the routing fills, an expert's rows rounded up to
+    whole blocks, ids outside ``[0, E)`` (padding, other ranks) left out."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+    import torch
+
+    ids = torch.tensor([[0, 1], [0, 2], [0, -1], [5, 1]], dtype=torch.int32)  # (expert 0: 3 rows; 5 not ours)
+    assert B.used_blocks(ids, 4, 2) == 2 + 1 + 1
+    assert B.used_blocks(ids, 4, 16) == 3
+    assert B.used_blocks(ids, 8, 1) == 7
+
+
 def test_bench_markdown_gives_each_stage_its_programs_an_sm_and_waves(tmp_path, monkeypatch):
     """The per-stage cells add the programs an SM holds and the grid's waves, from the kernel's registers,
     warps and shared memory and the run's recorded SM limits (sm_90's for a run that recorded none)."""
@@ -165,7 +178,7 @@ def test_bench_markdown_gives_each_stage_its_programs_an_sm_and_waves(tmp_path, 
     base = dict(ours_us=10.0, limit_us=5.0, pct_of_limit=50.0, pct_bf16_peak=1.0, eager_us=11.0, eager_overhead_us=1.5,
                 host_us=9.0, rel_err_vs_ref=None, eager_fused=False, eager_chained=False)
     geo = dict(name="tiny", E=4, K=64, N=32, top_k=2, limit=None)
-    stages = dict(gemm1=dict(us=17.0, programs=768, regs=96, spills=0, shared=4, warps=4),
+    stages = dict(gemm1=dict(us=17.0, programs=1024, busy=768, regs=96, spills=0, shared=4, warps=4),
                   gemm2=dict(us=9.0, programs=1024, regs=64, spills=0))  # (a stage from before warps were kept)
     diag = [dict(M=4, config=dict(gemv=True), active_experts=8, nblocks=8, stages=stages)]
     for limits, sms, cell in ((None, 132, "5/SM, 1.16 waves"), (dict(B.SM90_LIMITS, sms=66), 66, "5/SM, 2.33 waves")):
@@ -177,7 +190,7 @@ def test_bench_markdown_gives_each_stage_its_programs_an_sm_and_waves(tmp_path, 
         B.write_markdown(res, str(path))
         text = path.read_text()
         row = next(ln for ln in text.splitlines() if ln.startswith("| 4 | GEMV |"))
-        assert f"17.0 (grid 768, 96 regs, 0 spills, {cell})" in row, row
+        assert f"17.0 (grid 1024, 768 busy, 96 regs, 0 spills, {cell})" in row, row  # (waves of the busy ones)
         assert "9.0 (grid 1024, 64 regs, 0 spills) |" in row, row
         assert f"on the GPU's {sms} SMs" in text
         assert ("sm_90 taken" in text) == (limits is None)
