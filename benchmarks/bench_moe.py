@@ -293,13 +293,18 @@ def whole_op_us(handles, cfg, xs, idss, wss, outs, reps=10):
 SM90_LIMITS = dict(sms=132, regs=65536, threads=2048, smem=233472, blocks=32)
 
 
+# resident blocks an SM holds where it is not 32 (CUDA's table by compute capability)
+_SM_BLOCKS = {(8, 6): 16, (8, 7): 16, (8, 9): 24}
+
+
 def sm_limits(device=None) -> dict:
     """The GPU's SM count and the per-SM limits that decide how many programs of a kernel run at once:
-    registers, resident threads, shared memory, blocks (CUDA's 32 for every GPU this benchmark runs on)."""
+    registers, resident threads, shared memory, resident blocks."""
     p = torch.cuda.get_device_properties(device)
     return dict(sms=p.multi_processor_count, regs=getattr(p, "regs_per_multiprocessor", SM90_LIMITS["regs"]),
                 threads=p.max_threads_per_multi_processor,
-                smem=getattr(p, "shared_memory_per_multiprocessor", SM90_LIMITS["smem"]), blocks=SM90_LIMITS["blocks"])
+                smem=getattr(p, "shared_memory_per_multiprocessor", SM90_LIMITS["smem"]),
+                blocks=_SM_BLOCKS.get((p.major, p.minor), 32))
 
 
 def programs_per_sm(regs: int, warps: int, shared: int, limits: dict) -> int:

@@ -156,6 +156,24 @@ def test_programs_per_sm_follows_registers_threads_shared_memory_and_blocks(monk
     assert B.waves(768, 5, 132) == 768 / 660
 
 
+def test_sm_limits_reads_the_device_and_its_block_bound(monkeypatch):
+    """``bench_moe.sm_limits``: SMs, registers, threads and shared memory from the device's properties, the
+    resident blocks by compute capability (16 on sm_86, 24 on sm_89, else 32)."""
+    import types
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+
+    def props(major, minor):
+        return types.SimpleNamespace(multi_processor_count=84, regs_per_multiprocessor=65536, major=major, minor=minor,
+                                     max_threads_per_multi_processor=1536, shared_memory_per_multiprocessor=102400)
+
+    for (major, minor), blocks in (((8, 6), 16), ((8, 9), 24), ((9, 0), 32), ((12, 0), 32)):
+        monkeypatch.setattr(B.torch.cuda, "get_device_properties", lambda device=None, p=props(major, minor): p)
+        assert B.sm_limits() == dict(sms=84, regs=65536, threads=1536, smem=102400, blocks=blocks)
+    assert B.programs_per_sm(32, 4, 0, B.sm_limits()) == 12  # (1536 threads: 12 four-warp programs)
+
+
 def test_used_blocks_counts_each_experts_rows_in_whole_blocks(monkeypatch):
     """``bench_moe.used_blocks``: the blocks of ``bm`` rows the routing fills, an expert's rows rounded up to
     whole blocks, ids outside ``[0, E)`` (padding, other ranks) left out."""
