@@ -488,7 +488,6 @@ def diagnose(handles, args, E, K, top_k, log):
     diagnosis of misses. The GEMV path has two stages (gemv1, gemv2: reported as gemm1, gemm2)."""
     from b12x_ops.backends.triton import _launch
     from b12x_ops.backends.triton.kernels import num_blocks
-    from b12x_ops.backends.triton.plan import FINALIZE
 
     st = handles[0]._state
     gp = st.plans
@@ -502,15 +501,9 @@ def diagnose(handles, args, E, K, top_k, log):
         b12x_ops.moe_w4a8_out(x, ids, w, handles[0], o)
         nb = M * top_k if cfg.gemv else num_blocks(M * top_k, E, cfg.bm)
         used = nb if cfg.gemv else used_blocks(ids, E, cfg.bm)  # (the blocks routing fills; the rest exit at once)
-        rn = gp.runner_for(M)  # what the op launches (its tile counts include the GEMV kernels' splits)
-
-        def gemm_programs(b):  # (of b blocks, with the edge launches' programs)
-            return dict(gemm1=b * rn.n_tiles1 + (b if rn.edge1 is not None else 0),
-                        gemm2=(M if cfg.gemv else b) * rn.n_tiles2 + (b if rn.edge2 is not None else 0))
-
-        grids = {"prologue": M * rn.xquant_tiles if cfg.gemv else rn.prologue_programs(M, top_k),
-                 "finalize": -(-M // FINALIZE["BR"]) * -(-g.hidden_size // FINALIZE["BK"]), **gemm_programs(nb)}
-        busy = {**grids, **gemm_programs(used)}
+        rn = gp.runner_for(M)  # what the op launches
+        grids = stage_programs(rn, cfg, M, top_k, g.hidden_size, nb)
+        busy = stage_programs(rn, cfg, M, top_k, g.hidden_size, used)
         stages = {}
         for s_ in gp.kinds(cfg):
             ln = rn[1 + ("prologue", "gemm1", "gemm2", "finalize").index(s_)]
@@ -525,6 +518,18 @@ def diagnose(handles, args, E, K, top_k, log):
                       f"smem={v['shared']}" for k, v in stages.items()))
         out.append(dict(M=M, config=cfg.as_dict(), active_experts=active, nblocks=nb, used_blocks=used, stages=stages))
     return out
+
+
+def stage_programs(rn, cfg, M: int, top_k: int, hidden_size: int, blocks: int) -> dict:
+    """Each stage's programs for a call of ``M`` tokens by runner ``rn`` (``plan.Runner``, whose tile counts
+    include the GEMV kernels' splits) of plan ``cfg``, the GEMMs' for ``blocks`` expert blocks (GEMV:
+    slots), with their edge launches' programs."""
+    from b12x_ops.backends.triton.plan import FINALIZE
+
+    return {"prologue": M * rn.xquant_tiles if cfg.gemv else rn.prologue_programs(M, top_k),
+            "gemm1": blocks * rn.n_tiles1 + (blocks if rn.edge1 is not None else 0),
+            "gemm2": (M if cfg.gemv else blocks) * rn.n_tiles2 + (blocks if rn.edge2 is not None else 0),
+            "finalize": -(-M // FINALIZE["BR"]) * -(-hidden_size // FINALIZE["BK"])}
 
 
 def used_blocks(ids: torch.Tensor, E: int, bm: int) -> int:

@@ -175,7 +175,7 @@ def compile_launch(launch: P.Launch, arch: int):
 
 def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_moe import GEOMETRIES, SM90_LIMITS, programs_per_sm
+    from bench_moe import GEOMETRIES, SM90_LIMITS, programs_per_sm, routing, stage_programs, used_blocks, waves
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
@@ -191,8 +191,9 @@ def main(argv=None):
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]
     print(f"triton {triton.__version__}, target sm_{args.arch}")
-    print("| geometry | M | stage | kernel | tiles | warps/stages | resources | programs an SM (sm_90) | async copies |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| geometry | M | stage | kernel | tiles | warps/stages | resources | programs an SM (sm_90) "
+          "| busy programs (CPU routing) | waves (132 SMs) | async copies |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.geometries:
         geo = GEOMETRIES[name]
         g = _geometry(geo)
@@ -200,31 +201,45 @@ def main(argv=None):
         gp.ptx = gp.fold = True  # what a GPU prepare with usual scales (bytes in [2, 128]) chooses
         gp.dot_dtype = triton.language.bfloat16
         gp.gluon = args.gluon
-        done = set()
+        compiled = {}  # (a launch several token counts share compiles once)
         for M in args.sizes:
-            cfg = gp.with_gluon(P.default_config(M, g, gemv), M)
+            cfg = gp.default(M)  # (what a GPU prepare runs untuned: with --gluon, the GEMV on mma.sync up to its bounds)
             rn = gp.runner(cfg, M)
-            for stage, ln in (*zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)),
-                              ("gemm1", rn.edge1), ("gemm2", rn.edge2)):  # (the edge launches, plan.edge_split)
-                if ln is None or stage not in args.stages or id(ln) in done:
+            # the programs that have work, with the benchmark's routing drawn on the CPU (the same law as
+            # its GPU draw, other values): an expert block each the routing fills, or a slot each (GEMV)
+            blocks = M * geo["top_k"] if cfg.gemv else used_blocks(routing(M, geo["E"], geo["top_k"], "cpu", 7)[1],
+                                                                   geo["E"], cfg.bm)
+            busy = stage_programs(rn, cfg, M, geo["top_k"], geo["K"], blocks)
+            for stage, ln, edge in (*((s_, ln_, False) for s_, ln_ in zip(("prologue", "gemm1", "gemm2", "finalize"),
+                                                                        gp.stages(cfg, M))),
+                                    ("gemm1", rn.edge1, True), ("gemm2", rn.edge2, True)):  # (edges: plan.edge_split)
+                if ln is None or stage not in args.stages:
                     continue
-                done.add(id(ln))
-                try:
-                    ck = compile_launch(ln, args.arch)
-                    res = resources(ck.asm["cubin"], ln.fn.__name__)
-                    asyncs = ck.asm["ptx"].count("cp.async")
-                    res = res.split(" CONSTANT")[0] + f" dyn-smem:{ck.metadata.shared}"
-                    per_sm = programs_per_sm(int(re.search(r"REG:(\d+)", res).group(1)), ln.num_warps,
-                                             ck.metadata.shared, SM90_LIMITS)
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    res, asyncs, per_sm = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", "", ""
+                first = id(ln) not in compiled
+                if first:
+                    compiled[id(ln)] = _compile_report(ln, args.arch, programs_per_sm, SM90_LIMITS)
+                res, asyncs, per_sm, ck = compiled[id(ln)]
+                programs = blocks if edge else busy[stage]  # (an edge launch: a program a block)
+                wv = f"{waves(programs, per_sm, SM90_LIMITS['sms']):.2f}" if per_sm else ""
                 tiles = {k: v for k, v in ln.constexprs.items() if k.startswith("B") or k in ("RT", "NBT")}
                 print(f"| {name} | {M} | {stage} | {ln.fn.__name__} | {tiles} | {ln.num_warps}/{ln.num_stages} "
-                      f"| {res} | {per_sm} | {asyncs} |", flush=True)
-                if args.loops and asyncs != "":
+                      f"| {res} | {per_sm} | {programs} | {wv} | {asyncs} |", flush=True)
+                if args.loops and first and asyncs != "":
                     for n, ops in loop_profile(ck.asm["cubin"]):
                         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(10))
-                        print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |  |", flush=True)
+                        print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |  |  |  |", flush=True)
+
+
+def _compile_report(ln, arch: int, programs_per_sm, limits) -> tuple:
+    """``(resources, async copies, programs an SM, compiled kernel)`` of launch ``ln`` compiled for
+    ``arch``; the error in the first field (and the rest empty) where it does not compile."""
+    try:
+        ck = compile_launch(ln, arch)
+        res = resources(ck.asm["cubin"], ln.fn.__name__).split(" CONSTANT")[0] + f" dyn-smem:{ck.metadata.shared}"
+        per_sm = programs_per_sm(int(re.search(r"REG:(\d+)", res).group(1)), ln.num_warps, ck.metadata.shared, limits)
+        return res, ck.asm["ptx"].count("cp.async"), per_sm, ck
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", "", "", None
 
 
 def _geometry(geo):

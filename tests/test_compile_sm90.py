@@ -564,9 +564,9 @@ def _check_fp8_experiment_launches(offline, gp, cfg, which, form, base_loop):
 
 
 def test_offline_report_gives_each_launch_its_programs_an_sm(offline, capsys):
-    """``compile_offline.py``'s table: each launch's registers and shared memory, and the programs an
-    sm_90 SM holds of it (``bench_moe.programs_per_sm`` of those registers, the launch's warps and its
-    shared memory), the count the benchmark's per-stage waves are made of."""
+    """``compile_offline.py``'s table: each launch's registers and shared memory, the programs an sm_90 SM
+    holds of it (``bench_moe.programs_per_sm`` of those registers, the launch's warps and its shared
+    memory), its busy programs and their waves on 132 SMs, as the benchmark's per-stage cells give them."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         from bench_moe import SM90_LIMITS, programs_per_sm
@@ -580,3 +580,5 @@ def test_offline_report_gives_each_launch_its_programs_an_sm(offline, capsys):
         regs = int(re.search(r"REG:(\d+)", row[6]).group(1))
         shared = int(re.search(r"dyn-smem:(\d+)", row[6]).group(1))
         assert int(row[7]) == programs_per_sm(regs, warps, shared, SM90_LIMITS) > 0, row
+        assert float(row[9]) == round(int(row[8]) / (int(row[7]) * SM90_LIMITS["sms"]), 2) > 0, row  # (waves)
+    assert int(rows[0][8]) % 8 == 0  # (one token's 8 slots: gemv1's programs are a multiple of them)
