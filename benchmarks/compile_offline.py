@@ -175,7 +175,7 @@ def compile_launch(launch: P.Launch, arch: int):
 
 def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_moe import GEOMETRIES, SM90_LIMITS, programs_per_sm, routing, stage_programs, used_blocks, waves
+    from bench_moe import GEOMETRIES, SM90_LIMITS, routing, stage_programs, used_blocks, waves
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
@@ -217,7 +217,7 @@ def main(argv=None):
                     continue
                 first = id(ln) not in compiled
                 if first:
-                    compiled[id(ln)] = _compile_report(ln, args.arch, programs_per_sm, SM90_LIMITS)
+                    compiled[id(ln)] = _compile_report(ln, args.arch)
                 res, asyncs, per_sm, ck = compiled[id(ln)]
                 programs = blocks if edge else busy[stage]  # (an edge launch: a program a block)
                 wv = f"{waves(programs, per_sm, SM90_LIMITS['sms']):.2f}" if per_sm else ""
@@ -230,13 +230,16 @@ def main(argv=None):
                         print(f"|  |  |  | loop of {n} instructions | {top} |  |  |  |  |  |  |", flush=True)
 
 
-def _compile_report(ln, arch: int, programs_per_sm, limits) -> tuple:
-    """``(resources, async copies, programs an SM, compiled kernel)`` of launch ``ln`` compiled for
-    ``arch``; the error in the first field (and the rest empty) where it does not compile."""
+def _compile_report(ln, arch: int) -> tuple:
+    """``(resources, async copies, programs an sm_90 SM holds, compiled kernel)`` of launch ``ln`` compiled
+    for ``arch``; the error in the first field (and the rest empty) where it does not compile."""
+    from bench_moe import SM90_LIMITS, programs_per_sm  # (main puts benchmarks/ on the path)
+
     try:
         ck = compile_launch(ln, arch)
         res = resources(ck.asm["cubin"], ln.fn.__name__).split(" CONSTANT")[0] + f" dyn-smem:{ck.metadata.shared}"
-        per_sm = programs_per_sm(int(re.search(r"REG:(\d+)", res).group(1)), ln.num_warps, ck.metadata.shared, limits)
+        per_sm = programs_per_sm(int(re.search(r"REG:(\d+)", res).group(1)), ln.num_warps, ck.metadata.shared,
+                                 SM90_LIMITS)
         return res, ck.asm["ptx"].count("cp.async"), per_sm, ck
     except Exception as exc:  # noqa: BLE001 - report and go on
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", "", "", None
