@@ -3,10 +3,13 @@ programs an SM; an experiment (``benchmarks/NOTES.md`` has what it found).
 
     python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 16,64
     python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 1,2,4 gemv
+    python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 2,4 mma [80/None,None/48 ...]
 
 The first form caps the blocked path's gemm1/gemm2, the second the GEMV path's gemv1/gemv2 (at
 M = 1, 130 registers left gemv1 three 4-warp programs an SM; 128, its default cap since, four;
-``None`` here means no cap at all).
+``None`` here means no cap at all), the third the mma.sync GEMV's (``gluon_gemv``) in the plan a
+GPU prepare runs untuned (``GeometryPlans.default``), with the cap pairs given (default below):
+more programs an SM, fewer waves, against the spills a cap brings.
 
 Prints, per geometry and M, the time per layer (CUDA-graph replay over 3 layers) for each
 (GEMM1 cap / GEMM2 cap) pair, the registers the kernels got and the error against the reference.
@@ -39,6 +42,7 @@ def call(self, grid, *args):
         ck = self.fn[grid](*args, **self.constexprs, **opts, **kw)
         self.compiled = ck
         self._run, self._function, self._packed = ck.run, ck.function, ck.packed_metadata
+        self._direct = P._direct_launch(ck.run)  # (the launcher's C function of this compile)
         return
     return _orig(self, grid, *args)
 P.Launch.__call__ = call
@@ -46,13 +50,19 @@ P.Launch.__call__ = call
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
-GEMV = len(sys.argv) > 3 and sys.argv[3] == "gemv"
-K1, K2 = ("gemv1_kernel", "gemv2_kernel") if GEMV else ("gemm1_kernel", "gemm2_kernel")
+MODE = sys.argv[3] if len(sys.argv) > 3 else "blocked"
+GEMV = MODE in ("gemv", "mma")
+K1, K2 = {"gemv": ("gemv1_kernel", "gemv2_kernel"), "mma": ("gemv1_mma_kernel", "gemv2_mma_kernel")}.get(
+    MODE, ("gemm1_kernel", "gemm2_kernel"))
 # (the first pair again last: run-to-run noise)
 # (GEMV: 128 is gemv1's default cap at 1-2 tokens; 96 would fit five of its 4-warp programs an SM,
 # with 8-16 bytes of spills offline)
 combos = ([(None, None), (128, None), (96, None), (None, 80), (128, 80), (96, 64), (128, 64), (None, None)] if GEMV
           else [(None, None), (80, None), (None, 72), (80, 72), (None, 64), (72, 64), (None, None)])
+if MODE == "mma":  # (offline, triton 3.6: gemv1 at 80 is six 4-warp programs an SM with 40-88 bytes of stack;
+    # gemv2 at 48 five 8-warp (Qwen3) or ten 4-warp programs, 0-24 bytes)
+    combos = [tuple(None if v == "None" else int(v) for v in c.split("/")) for c in sys.argv[4:]] or \
+        [(None, None), (80, None), (None, 48), (80, 48), (None, 64), (None, None)]
 for name in sys.argv[1].split(","):
     geo = GEOMETRIES[name]
     E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
@@ -64,7 +74,10 @@ for name in sys.argv[1].split(","):
         xs, idss, wss, outs = layer_batches(M, E, K, top_k, 3)
         want = b12x_ops.moe_w4a8(xs[0], idss[0], wss[0], ref)
         gp = hs[0]._state.plans
-        cfg = P.default_config(M, gp.geometry, gemv=GEMV)
+        cfg = gp.default(M) if MODE == "mma" else P.default_config(M, gp.geometry, gemv=GEMV)
+        if MODE == "mma" and not cfg.mma:
+            print(name, M, f"not on mma.sync here: {cfg}", flush=True)
+            continue
         row = []
         for c1, c2 in combos:
             CAP.clear(); CAP.update({K1: c1, K2: c2})
