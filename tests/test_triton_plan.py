@@ -294,6 +294,47 @@ def test_mma_gemv_runs_are_the_longest_that_keep_enough_programs():
             assert nq % q == 0 and q <= 10 and (q == 1 or per * (nq // q) >= least), (nq, per, q)
 
 
+def test_mma_gemv_runs_weigh_their_waves_past_one():
+    """Where the rule's runs make more programs than the GPU holds at once (``slots``), ``plan._mma_run``
+    takes the run up to the rule's with the least waves x (run + ``GEMV_MMA_WAVE_OVERHEAD``), the longer
+    of two that tie; within one wave, the rule's run."""
+    o = P.GEMV_MMA_WAVE_OVERHEAD
+    # Qwen3's gemv1 at 4 tokens (384 programs a run, 32 chunks, 5 x 132 slots): 16 chunks make 768 programs,
+    # 2 waves of 16 + o; 8 make 1536, 3 waves of 8 + o (timed: 39.7 -> 38.3 us)
+    assert P._mma_run(32, 384, 16) == 16 and P._mma_run(32, 384, 16, 660) == 8
+    # DSv4's at 3 tokens (162 a run, 80 chunks): 16 -> 810 programs (2 x 20), 10 -> 1296 (2 x 14)
+    assert P._mma_run(80, 162, 16, 660) == 10
+    # one wave: the rule's run (DSv4 at one token, 10 chunks: 432 programs)
+    assert P._mma_run(80, 54, 16, 660) == P._mma_run(80, 54, 16) == 10
+    # a tie: gpt-oss's gemv1 at 2 tokens (360 a run, 45 chunks): 15 -> 2 waves x 19, 9 -> 3 x 13: 15
+    assert P._mma_run(45, 360, 16, 660) == 15
+    for nq in range(1, 50):
+        for per in (1, 54, 162, 360, 384, 720):
+            for slots in (264, 660, 924):
+                rule, run = P._mma_run(nq, per, 16), P._mma_run(nq, per, 16, slots)
+                assert nq % run == 0 and run <= rule, (nq, per, slots)
+                if per * (nq // rule) <= slots:
+                    assert run == rule, (nq, per, slots)
+                    continue
+
+                def time(q):
+                    return -(-per * (nq // q) // slots) * (q + o)
+                assert all(time(q) > time(run) or (time(q) == time(run) and q <= run)
+                           for q in range(1, rule + 1) if nq % q == 0), (nq, per, slots)
+
+
+def test_gemv_mma_forms_of_the_benchmark_geometries():
+    """``gemv_mma_form`` without a GPU (``SM_COUNT_DEFAULT`` SMs): the rule's runs but where a launch
+    needs more than one wave: DSv4 at 3, 5 and 6 tokens, Qwen3 at 4 and 5, gpt-oss at 5."""
+    want = {"gpt-oss-120b": [(15, 9)] * 4 + [(9, 9)] + [(15, 9)] * 3,
+            "dsv4.1-tp4": [(10, 9), (16, 9), (10, 9), (16, 9), (10, 9), (10, 9), (16, 9), (16, 9)],
+            "qwen3-30b-a3b": [(8, 4), (16, 6), (16, 6), (8, 6), (8, 6), (16, 6), (16, 6), (16, 6)]}
+    assert P.SM_COUNT_DEFAULT == 132 and P.GEMV_MMA_PER_SM == (5, 7, 4)
+    for name, forms in want.items():
+        g = geometry(*GEOS[name])
+        assert [P.gemv_mma_form(t, g) for t in range(1, 9)] == forms, name
+
+
 @pytest.mark.parametrize("name", list(GEOS))
 def test_gemv_path_serves_up_to_eight_tokens_where_it_runs_on_mma_sync(name):
     """The untuned plans' path by token count: the GEMV path up to 32 slots and 4 tokens, 48 slots and 8
@@ -353,14 +394,19 @@ def test_gemv_on_mma_sync_takes_every_token_count_of_the_gemv_path(name):
             continue
         q1, q2 = form
         bn2 = (128, 8) if g.hidden_size <= 2048 else (64, 4)  # (gemv2: 128-row programs where K is short)
-        # runs of equal length, the longest (up to 16 chunks for gemv1, 10 for gemv2) that leaves the
-        # launch GEMV_MMA_MIN_PROGRAMS programs, or one chunk where none does
+        # runs of equal length: the rule's, the longest (up to 16 chunks for gemv1, 10 for gemv2) that
+        # leaves the launch GEMV_MMA_MIN_PROGRAMS programs, or one chunk where none does; or, where the
+        # rule's programs need more than one wave (132 SMs without a GPU), a shorter one by the waves
+        # (``test_mma_gemv_runs_weigh_their_waves_past_one``)
         a_run = (tokens * g.top_k * -(-g.intermediate_size // 64), tokens * g.top_k * -(-g.hidden_size // bn2[0]))
-        for q, nq, per, most in ((q1, nq1, a_run[0], 16), (q2, nq2, a_run[1], 10)):
+        slots = (5 * 132, (4 if bn2[1] == 8 else 7) * 132)
+        for q, nq, per, most, sl in ((q1, nq1, a_run[0], 16, slots[0]), (q2, nq2, a_run[1], 10, slots[1])):
             assert nq % q == 0 and q <= most, (tokens, q, nq)
             assert q == 1 or per * (nq // q) >= P.GEMV_MMA_MIN_PROGRAMS, (tokens, q, nq)
-            longer = [d for d in range(q + 1, min(most, nq) + 1) if nq % d == 0]
-            assert all(per * (nq // d) < P.GEMV_MMA_MIN_PROGRAMS for d in longer), (tokens, q, nq)
+            rule = max((d for d in range(1, min(most, nq) + 1)
+                        if nq % d == 0 and per * (nq // d) >= P.GEMV_MMA_MIN_PROGRAMS), default=1)
+            assert q == P._mma_run(nq, per, most, sl) and q <= rule, (tokens, q, nq)
+            assert q == rule or per * (nq // rule) > sl, (tokens, q, nq)
         assert got.window == P.GEMV_MMA_WINDOW == 2  # (two chunks' loads in flight)
         assert got.gemv and got.xq and not got.fused and (got.bn1, got.warps1) == (64, 4)
         assert (got.bn2, got.warps2) == bn2

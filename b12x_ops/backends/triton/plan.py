@@ -595,6 +595,19 @@ GEMV_MMA_BN2, GEMV_MMA_BN2_SMALL_K = (64, 4), (128, 8)  # (gemv2's rows and warp
 # the rule's; ``benchmarks/results/gemv_tokens.md``).
 GEMV_MMA_WINDOW = 2
 GEMV_MMA_Q1_MAX, GEMV_MMA_Q2_MAX, GEMV_MMA_MIN_PROGRAMS = 16, 10, 384
+# Where those runs make more programs than the GPU holds at once, the launch runs in waves, and a last wave
+# little filled streams at a fraction of the bandwidth: the runs are then the ones (of at most that length)
+# with the least time modelled as waves x (run + GEMV_MMA_WAVE_OVERHEAD chunks: a program's start, split-K
+# handshake and drain), the longer where two tie. Programs an SM: GEMV_MMA_PER_SM for gemv1 (96 registers,
+# 4 warps), gemv2 of 64 rows (59-70 registers, 4 warps) and of 128 rows (64, 8 warps): triton 3.6, sm_90. H100,
+# whole op, the rule's runs against the model's (``benchmarks/results/gemv_waves.md``): Qwen3 at 4 tokens
+# 16 -> 8 chunks (768 gemv1 programs at 5 an SM: 1.16 waves; 1536: 2.33) 39.7-40.0 -> 38.3-38.4 us, DSv4
+# at 3 tokens 16 -> 10 (1.23 -> 1.96 waves) 42.3-42.4 -> 39.5-39.6; the model keeps the rule's runs at every
+# other form timed there and in ``gemv_tokens.md``, each of them the fastest timed. Within one wave the rule's
+# runs stand (at one token, runs shorter than the rule's were no faster, ``gemv_window.md``).
+GEMV_MMA_WAVE_OVERHEAD = 4
+GEMV_MMA_PER_SM = (5, 7, 4)
+SM_COUNT_DEFAULT = 132  # (H100 / H200: plans made without a GPU, as ``compile_offline`` and the tests make them)
 
 
 def mma_chunks(geometry) -> tuple[int, int]:
@@ -608,13 +621,26 @@ def _mma_gemv2_tile(geometry) -> tuple[int, int]:
     return GEMV_MMA_BN2_SMALL_K if geometry.hidden_size <= GEMV_MMA_SMALL_K else GEMV_MMA_BN2
 
 
-def _mma_run(nq: int, programs_a_run: int, most: int) -> int:
+def _sm_count(device) -> int:
+    """``device``'s SM count, or ``SM_COUNT_DEFAULT`` where it is no CUDA device."""
+    if device is None or torch.device(device).type != "cuda":
+        return SM_COUNT_DEFAULT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _mma_run(nq: int, programs_a_run: int, most: int, slots: int | None = None) -> int:
     """A kernel's chunks a run (of its ``nq``): the largest divisor of ``nq`` up to ``most`` at which the
     launch still has ``GEMV_MMA_MIN_PROGRAMS`` programs (``programs_a_run`` for each of its ``nq / run``
-    runs), else 1."""
+    runs), else 1; where that makes more programs than the GPU's ``slots`` (programs it holds at once),
+    the divisor up to it with the least modelled time, waves x (run + ``GEMV_MMA_WAVE_OVERHEAD``), the
+    longer of two that tie."""
     fits = [q for q in range(1, min(most, nq) + 1)
             if nq % q == 0 and programs_a_run * (nq // q) >= GEMV_MMA_MIN_PROGRAMS]
-    return max(fits, default=1)
+    run = max(fits, default=1)
+    if slots is None or programs_a_run * (nq // run) <= slots:
+        return run
+    return min((q for q in range(1, run + 1) if nq % q == 0),
+               key=lambda q: (-(-programs_a_run * (nq // q) // slots) * (q + GEMV_MMA_WAVE_OVERHEAD), -q))
 
 
 def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
@@ -624,9 +650,11 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
     if tokens > GEMV_MMA_MAX_TOKENS:
         return None
     nq1, nq2 = mma_chunks(g)
-    tiles1, tiles2 = -(-g.intermediate_size // GEMV_MMA_BN1), -(-g.hidden_size // _mma_gemv2_tile(g)[0])
-    return (_mma_run(nq1, tokens * g.top_k * tiles1, GEMV_MMA_Q1_MAX),
-            _mma_run(nq2, tokens * g.top_k * tiles2, GEMV_MMA_Q2_MAX))
+    bn2, warps2 = _mma_gemv2_tile(g)
+    tiles1, tiles2 = -(-g.intermediate_size // GEMV_MMA_BN1), -(-g.hidden_size // bn2)
+    sms = _sm_count(g.device)
+    return (_mma_run(nq1, tokens * g.top_k * tiles1, GEMV_MMA_Q1_MAX, GEMV_MMA_PER_SM[0] * sms),
+            _mma_run(nq2, tokens * g.top_k * tiles2, GEMV_MMA_Q2_MAX, GEMV_MMA_PER_SM[1 if warps2 == 4 else 2] * sms))
 
 
 def mma_q1_candidates(tokens: int, geometry) -> list[int]:
