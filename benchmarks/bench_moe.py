@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import b12x_ops  # noqa: E402
+from b12x_ops.backends.triton.plan import SM_COUNT_DEFAULT  # noqa: E402
 from b12x_ops.mx import dequantize_mxfp4  # noqa: E402
 from peers import Bf16MoE, TritonKernelsMoE  # noqa: E402
 
@@ -289,8 +290,9 @@ def whole_op_us(handles, cfg, xs, idss, wss, outs, reps=10):
     return graph_time(calls, reps=reps) * 1e6
 
 
-# sm_90's per-SM limits (H100, H200), for results made before the benchmark recorded its GPU's
-SM90_LIMITS = dict(sms=132, regs=65536, threads=2048, smem=233472, blocks=32)
+# sm_90's per-SM limits (H100, H200: ``plan.SM_COUNT_DEFAULT`` SMs), for results made before the benchmark
+# recorded its GPU's
+SM90_LIMITS = dict(sms=SM_COUNT_DEFAULT, regs=65536, threads=2048, smem=233472, blocks=32)
 
 
 # resident blocks an SM holds where it is not 32 (CUDA's table by compute capability)
