@@ -400,7 +400,9 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
     t0 = time.perf_counter()
     opts = dict(getattr(variant, "PREPARE_OPTIONS", {}))
     handles = adapt_handles(variant, [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
-                                                               tune=not args.no_tune, max_tokens=max(args.sizes), **opts)
+                                                               tune=not args.no_tune, max_tokens=max(args.sizes),
+                                                               decode_token_counts=args.sizes if args.exact_sizes else (),
+                                                               **opts)
                                       for lw in layers])
     prep_s = time.perf_counter() - t0
     log(f"{name}: prepared {L} layers in {prep_s:.1f}s; memory per layer {handles[0].memory}")
@@ -782,6 +784,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--triton-kernels", default=None, help="folder holding the triton_kernels package (a peer)")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--exact-sizes", action="store_true",
+                    help="plan every size of --sizes exactly (decode_token_counts); else a size between the "
+                         "ladder's powers of two runs the next planned count's plan, as an engine that names none")
     ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ (say experiments.<name>) with stage kernels under evaluation: "
