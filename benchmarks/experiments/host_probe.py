@@ -22,9 +22,10 @@ per call (``--calls`` calls between synchronizations, so the launch queue never 
   same CUDA tensors (the dispatcher's floor).
 
 Written before the launch chains (``backends/triton/chain.py``): a compiled call now launches by its
-chain's one C call, not through ``Launch.__call__``, so the probe records no launches ("0 launches") and
-the columns from ``op, launches stubbed`` on time nothing of the kernels' launches; ``op``, ``backend
-run`` and ``empty custom op`` still time what they say (``results/eager_dsv4_h100.md`` reads only ``op``).
+chain's one C call, not through ``Launch.__call__``, so the probe records no launches ("0 launches"):
+``op, launches stubbed`` times the op with its launches (a second ``op``), the three ``launches`` columns
+an empty list. ``op``, ``backend run`` and ``empty custom op`` still time what they say
+(``results/eager_dsv4_h100.md`` reads only ``op``).
 """
 
 from __future__ import annotations
