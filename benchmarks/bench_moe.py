@@ -401,7 +401,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
     opts = dict(getattr(variant, "PREPARE_OPTIONS", {}))
     handles = adapt_handles(variant, [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
                                                                tune=not args.no_tune, max_tokens=max(args.sizes),
-                                                               decode_token_counts=args.sizes if args.exact_sizes else (),
+                                                               decode_token_counts=planned_counts(args),
                                                                **opts)
                                       for lw in layers])
     prep_s = time.perf_counter() - t0
@@ -713,6 +713,7 @@ def gemv_compare(args, log, bw=4.27e12):
             try:
                 handles[mode] = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
                                                           tune=not args.no_tune, gemv=mode, max_tokens=max(args.sizes),
+                                                          decode_token_counts=planned_counts(args),
                                                           frozen=not (mode and args.gemv_sweep))
                                  for lw in layers]
             except Exception as exc:  # noqa: BLE001 - report and go on with the other path
@@ -775,7 +776,22 @@ def gemv_compare(args, log, bw=4.27e12):
     return _gemv_table(rows, sweep, args, bw)
 
 
-def main(argv=None):
+def planned_counts(args) -> tuple[int, ...]:
+    """``decode_token_counts`` for the handles: every size with ``--exact-sizes``, else none (the ladder of
+    powers of two up to the largest size, so that a size between two runs the larger one's plan)."""
+    return tuple(args.sizes) if args.exact_sizes else ()
+
+
+def command_line(args) -> str:
+    """The command a table states it was made by: the options that change its numbers."""
+    return ("python benchmarks/bench_moe.py" + ("" if not args.triton_kernels else " --triton-kernels <DIR>")
+            + ("" if not args.no_tune else " --no-tune")
+            + ("" if args.layers == 8 else f" --layers {args.layers}") + ("" if args.reps == 20 else f" --reps {args.reps}")
+            + (" --exact-sizes" if args.exact_sizes else "") + (" --diagnose" if args.diagnose else "")
+            + (f" --variant {args.variant}" if args.variant else ""))
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--geometries", nargs="*", default=list(GEOMETRIES))
     ap.add_argument("--sizes", nargs="*", type=int, default=list(SIZES))
@@ -796,7 +812,11 @@ def main(argv=None):
     ap.add_argument("--gemv-sweep", nargs="*", type=int, default=None,
                     help="with --gemv-compare: also time every GEMV tile candidate at these M")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
     def log(msg):
@@ -810,11 +830,7 @@ def main(argv=None):
     bw = measure_copy_bandwidth()
     peak = measure_bf16_peak()
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 peak {peak / 1e12:.0f} TFLOP/s")
-    cmd = "python benchmarks/bench_moe.py" + ("" if not args.triton_kernels else " --triton-kernels <DIR>") + \
-        ("" if not args.no_tune else " --no-tune") + \
-        ("" if args.layers == 8 else f" --layers {args.layers}") + ("" if args.reps == 20 else f" --reps {args.reps}") + \
-        (" --diagnose" if args.diagnose else "") + \
-        (f" --variant {args.variant}" if args.variant else "")
+    cmd = command_line(args)
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                copy_bw=bw, bf16_peak=peak, sm_limits=sm_limits(), command=cmd, geometries=[])
     variant = load_variant(args.variant)

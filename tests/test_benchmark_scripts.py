@@ -98,6 +98,24 @@ def test_fp8_gemm1_layout_and_decode_on_the_emulator(capsys, monkeypatch):
         mod.check()
 
 
+def test_bench_plans_every_size_exactly_only_when_asked(monkeypatch):
+    """``bench_moe.py --exact-sizes`` plans each size (``decode_token_counts``); without it the handles plan
+    the ladder up to the largest size, so a size between two planned counts runs the larger one's plan. A
+    table made with exact plans says so in its command."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+    from b12x_ops.handle import plan_capacities
+
+    ap = B.build_parser()
+    exact = ap.parse_args(["--exact-sizes", "--sizes", "3", "4", "5", "6", "--no-tune", "--layers", "4"])
+    ladder = ap.parse_args(["--sizes", "3", "4", "5", "6", "--no-tune", "--layers", "4"])
+    assert B.planned_counts(exact) == (3, 4, 5, 6) and B.planned_counts(ladder) == ()
+    assert plan_capacities(max(exact.sizes), B.planned_counts(exact)) == (1, 2, 3, 4, 5, 6)
+    assert plan_capacities(max(ladder.sizes), B.planned_counts(ladder)) == (1, 2, 4, 6)
+    assert B.command_line(exact) == "python benchmarks/bench_moe.py --no-tune --layers 4 --exact-sizes"
+    assert B.command_line(ladder) == "python benchmarks/bench_moe.py --no-tune --layers 4"
+
+
 def test_bench_markdown_says_which_eager_calls_were_chained(tmp_path, monkeypatch):
     """The benchmark's table names the token counts whose eager calls launched by one C call
     (``backends/triton/chain.py``), from each point's ``eager_chained``, and says nothing where none did."""
