@@ -605,6 +605,10 @@ GEMV_MMA_Q1_MAX, GEMV_MMA_Q2_MAX, GEMV_MMA_MIN_PROGRAMS = 16, 10, 384
 # at 3 tokens 16 -> 10 (1.23 -> 1.96 waves) 42.3-42.4 -> 39.5-39.6; the model keeps the rule's runs at every
 # other form timed there and in ``gemv_tokens.md``, each of them the fastest timed. Within one wave the rule's
 # runs stand (at one token, runs shorter than the rule's were no faster, ``gemv_window.md``).
+# As whole plans, each run at the count it was made for (``gemv_plans_h100.md``): DSv4 at 3 tokens 6.8 %,
+# Qwen3 at 4 and 5 3.2 / 4.2 %, DSv4 at 6 2.1 % faster, none slower. A ladder plan also runs the counts
+# below its own: Qwen3's 4-token plan runs 3 tokens 4.4 % slower than the rule's runs would (a captured
+# engine pads to a size it plans exactly, so the model weighs a plan's own count).
 GEMV_MMA_WAVE_OVERHEAD = 4
 GEMV_MMA_PER_SM = (5, 7, 4)
 SM_COUNT_DEFAULT = 132  # (H100 / H200: plans made without a GPU, as ``compile_offline`` and the tests make them)
