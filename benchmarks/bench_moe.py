@@ -681,7 +681,7 @@ def _gemv_table(rows, sweep, args, bw):
         out += [f"| {name} | {M} | {tiles} | {f(t and t * 1e6, '.1f')} |" for name, M, tiles, t in sweep]
         out.append("")
     out += [f"GEMV vs blocked path, us per layer (CUDA-graph replay over {args.layers} layers, tune="
-            f"{not args.no_tune}); HBM limit = distinct experts' weight+scale bytes / {bw / 1e12:.2f} TB/s", "",
+            f"{not args.no_tune}{', every size planned exactly' if args.exact_sizes else ''}); HBM limit = distinct experts' weight+scale bytes / {bw / 1e12:.2f} TB/s", "",
             "| geometry | M | HBM limit | GEMV | blocked | blocked/GEMV | GEMV % of limit | err GEMV | err blocked |",
             "|---|---|---|---|---|---|---|---|---|"]
     for name, M, lim, gv, bl in rows:
