@@ -660,6 +660,48 @@ def test_gpu_gemv_fused_matches_two_launches(name):
         assert torch.equal(out, eager), (name, M)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "odd-ep"])
+def test_gpu_tl_dot_kernels_sum_right_in_every_tile_the_ptx_decode_takes(name):
+    """The ``tl.dot`` kernels with the inline-PTX decode, in each tile (columns, warps) that
+    ``plan.DOT_PTX_TILES`` lets them take: the blocked GEMM1 and GEMM2 at 16-row blocks with K steps of
+    64 and 128, gemv1 and gemv2 at their own, against the reference; tiles outside it (32 columns, 2
+    warps: wrong sums on an H100, ``results/dot_tiles.md``) are refused before anything launches, with
+    ``out`` untouched."""
+    import dataclasses
+
+    from b12x_ops.backends.triton import _launch_all
+    from b12x_ops.backends.triton import plan as P
+
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    h = layer.prepare(backend="triton", tune=False, max_tokens=64, frozen=False)
+    st = h._state
+    assert st.plans.ptx
+    for M, gemv, bks in ((37, False, (64, 128)), (2, True, (None,))):
+        x, ids, w = make_batch(layer, M, seed=90 + M, device="cuda", padding_rows=1)
+        want = b12x_ops.moe_w4a8(x, ids, w, ref)
+        base = dataclasses.replace(P.default_config(M, st.plans.geometry, gemv=gemv), gluon=False, gluon2=False)
+        if not gemv:
+            base = dataclasses.replace(base, bm=16)
+        for bn, warps in P.DOT_PTX_TILES:
+            for bk in bks:
+                both = dict(bn1=bn, warps1=warps, bn2=bn, warps2=warps)
+                if bk:
+                    both.update(bk1=bk, bk2=bk)
+                cfg = dataclasses.replace(base, **both)
+                st.plans.reserve(M, cfg)
+                out = torch.full_like(x, float("nan"))
+                _launch_all(st, cfg, x, ids, w, out)
+                assert rel_l2(out, want) <= 1e-2, (name, M, bn, warps, bk, rel_l2(out, want))
+        for bad in (dict(bn1=32, bn2=32), dict(warps1=2, warps2=2)):
+            cfg = dataclasses.replace(base, **bad)
+            out = torch.full_like(x, float("nan"))
+            with pytest.raises(ValueError, match="with the inline-PTX decode"):
+                st.plans.reserve(M, cfg)
+                _launch_all(st, cfg, x, ids, w, out)
+            assert torch.isnan(out).all()
+
+
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b", "odd-3x96", "odd-ep"])
 def test_gpu_gluon_gemms_match_tl_gemms(name):
     """The GEMMs in Gluon (``gluon_kernels``: asynchronous MMAs under the next step's decode; sm_90)

@@ -548,6 +548,58 @@ def test_gluon_configs_name_their_warps_when_a_launch_cannot_take_them():
     assert GK.layouts(128, 16)["mma"] == GK.layouts(128, 16, 8)["mma"]
 
 
+def _tl_dot_kinds(cfg):
+    """The stages of ``cfg`` that run a ``tl.dot`` kernel (not Gluon, not the mma.sync GEMV)."""
+    if cfg.mma:
+        return ()
+    if cfg.gemv:
+        return ("gemm1",) if cfg.fused else ("gemm1", "gemm2")
+    return tuple(k for k, gl in (("gemm1", cfg.gluon), ("gemm2", cfg.gluon2)) if not gl)
+
+
+@pytest.mark.parametrize("name", list(GEOS))
+def test_tl_dot_tiles_the_ptx_decode_sums_wrong_are_refused(name):
+    """With the inline-PTX decode a ``tl.dot`` kernel sums right only in some tiles (columns and warps
+    among ``plan.DOT_PTX_TILES``; measured by ``experiments/dot_tiles.py``):
+    every config a plan or the tuner can take is among them; a tile outside is refused by an error
+    naming its fields before a launch is made, on the blocked path and the GEMV's; without the PTX
+    decode (the Triton-operations one, the interpreter's) the same tiles are taken."""
+    g = geometry(*GEOS[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
+    gp.ptx = True  # (as a GPU prepare sets it)
+    checked = set()
+    for tokens in (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128, 512, 2048, 8192):
+        cfgs = P.candidate_configs(tokens, g, gluon=True) + P.candidate_configs(tokens, g)
+        cfgs += [P.default_config(tokens, g), P.default_config(tokens, g, mma=True)]
+        for cfg in cfgs:
+            for kind in _tl_dot_kinds(cfg):
+                gp._check_dot(cfg, kind)
+                bn, warps = (cfg.bn1, cfg.warps1) if kind == "gemm1" else (cfg.bn2, cfg.warps2)
+                checked.add((cfg.gemv, kind, bn, warps))
+    assert {(False, "gemm1", 64, 4), (False, "gemm2", 128, 4), (True, "gemm1", 64, 4)} <= checked
+    blocked = dataclasses.replace(P.default_config(64, g), gluon=False, gluon2=False)
+    small = P.default_config(1, g, gemv=True)
+    assert not blocked.gemv and small.gemv and not small.mma
+    bad = [(blocked, "gemm1", dict(bn1=32), r"its \(bn1, warps1\) must be one of \(64, 4\), .* \(got \(32, 4\)"),
+           (blocked, "gemm1", dict(warps1=2), r"\(bn1, warps1\) .* \(got \(\d+, 2\)"),
+           (blocked, "gemm2", dict(bn2=32), r"\(bn2, warps2\) .* \(got \(32, 4\)"),
+           (blocked, "gemm2", dict(warps2=2), r"\(bn2, warps2\) .* \(got \(\d+, 2\)"),
+           (blocked, "gemm2", dict(bn2=256, warps2=4), r"\(bn2, warps2\) .* \(got \(256, 4\)"),
+           (small, "gemm1", dict(bn1=32), r"no tl.dot gemm1 .* \(got \(32, 4\)"),
+           (small, "gemm2", dict(warps2=2), r"no tl.dot gemm2 .* \(got \(\d+, 2\)")]
+    for cfg, kind, change, msg in bad:
+        before = len(gp.launches)
+        with pytest.raises(ValueError, match=msg):
+            gp.launch(kind, dataclasses.replace(cfg, **change), 64)
+        assert len(gp.launches) == before
+    plain = P.GeometryPlans(g, True, None, ptx=False, dry=True)
+    assert not plain.ptx
+    for cfg, kind, change, _ in bad:
+        assert plain.launch(kind, dataclasses.replace(cfg, **change), 64).num_warps in (2, 4, 8)
+    blocked_256 = dataclasses.replace(blocked, bn2=256, warps2=8)  # (the GPU tests' reference of 256 columns)
+    assert gp.launch("gemm2", blocked_256, 64).num_warps == 8
+
+
 def _cuda_launcher(launch, coop=0, pdl=1, global_scratch=0, profile_scratch=0):
     """An instance of the installed triton's CUDA launcher class, its compiled C function replaced by
     ``launch`` (no GPU, no compile: only its Python ``__call__`` runs)."""

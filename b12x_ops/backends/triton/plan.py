@@ -340,6 +340,16 @@ def tail_tiles(bm: int) -> int:
 # costs back.
 GLUON_WIDTHS = {"gemm1": (64, 128), "gemm2": (128, 256)}  # (the Gluon GEMMs' tile widths: bn1, bn2)
 
+# The tl.dot kernels' tiles (the blocked GEMMs, gemv1, gemv2, the fused GEMV) that the inline-PTX decode
+# computes right, as (columns, warps). Its asm (``mxtl.decode_repacked``) takes a thread's registers four
+# at a time as the bytes of one code word, which holds only for some of the register layouts triton gives
+# the decoded tile. On an H100 (``benchmarks/experiments/dot_tiles.py``, ``benchmarks/results/dot_tiles.md``)
+# 64 and 128 columns in 4 or 8 warps were right at every K step tried, and 256 in 8 warps is the GPU
+# tests' reference for the Gluon GEMM2 of 256 columns; 2 warps were wrong at every width, and 32 columns
+# at some K steps in 4 and in 8 warps (relative L2 1.2-1.7). Every tile a plan or the tuner takes is among
+# these; ``GeometryPlans._check_dot`` refuses the others before anything compiles.
+DOT_PTX_TILES = ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))
+
 
 def edge_on() -> bool:
     return os.environ.get("B12X_OPS_TRITON_EDGE", "0") == "1"
@@ -1203,6 +1213,7 @@ class GeometryPlans:
                                                       L=cfg.window, **GG.layouts(cfg.warps2, False)),
                             cfg.warps2, 1, pdl=self.mma_pdl)
         elif cfg.gemv:  # (gemv1, gemv2, or both as one launch)
+            self._check_dot(cfg, kind)
             st1, st2 = _stages(cfg.bk1, cfg.stages1), _stages(cfg.bk2, cfg.stages2)
             gv = dict(common, N=g.intermediate_size, E=g.num_experts, HAS_GS=g.has_global_scales,
                       DOT_DTYPE=self.dot_dtype, PTX=self.ptx, FOLD=self.fold)
@@ -1227,6 +1238,7 @@ class GeometryPlans:
                                                     **GK.layouts(2 * cfg.bn1, cfg.bm, cfg.warps1)),
                         cfg.warps1, 1, gluon_maxnreg(cfg.bm, cfg.warps1))
             else:
+                self._check_dot(cfg, kind)
                 ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2":
@@ -1238,6 +1250,7 @@ class GeometryPlans:
                                                     **GK.layouts(cfg.bn2, cfg.bm, cfg.warps2)),
                         cfg.warps2, 1, gluon_maxnreg(cfg.bm, cfg.warps2))
             else:
+                self._check_dot(cfg, kind)
                 ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
                         cfg.warps2, _stages(cfg.bk2, cfg.stages2))
         else:
@@ -1257,6 +1270,23 @@ class GeometryPlans:
                              f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]}, an even "
                              f"{st_name} >= 4, and {rows // 16} or {rows // 32} warps: 16 or 32 of its {rows} rows a "
                              "warp)")
+
+    def _check_dot(self, cfg: Config, kind: str) -> None:
+        """A ``tl.dot`` kernel's tile under the inline-PTX decode (its columns and warps among
+        ``DOT_PTX_TILES``), before anything compiles; any tile without it (the Triton-operations decode)."""
+        if not self.ptx:
+            return
+        if cfg.fused:  # (the fused GEMV: both products in warps1)
+            fields = (("bn1", "warps1"), ("bn2", "warps1"))
+        else:
+            fields = (("bn1", "warps1"),) if kind == "gemm1" else (("bn2", "warps2"),)
+        for bn_name, warps_name in fields:
+            tile = (getattr(cfg, bn_name), getattr(cfg, warps_name))
+            if tile not in DOT_PTX_TILES:
+                raise ValueError(
+                    f"b12x_ops triton backend: no tl.dot {kind} for {cfg} with the inline-PTX decode: its "
+                    f"({bn_name}, {warps_name}) must be one of {', '.join(map(str, DOT_PTX_TILES))} (got {tile}; "
+                    "the others sum wrong)")
 
     def _check_mma(self, cfg: Config) -> None:
         """The mma.sync GEMV's requirements (``gluon_gemv``), before anything compiles."""
