@@ -344,11 +344,11 @@ GLUON_WIDTHS = {"gemm1": (64, 128), "gemm2": (128, 256)}  # (the Gluon GEMMs' ti
 # computes right, as (columns, warps). Its asm (``mxtl.decode_repacked``) takes a thread's registers four
 # at a time as the bytes of one code word, which holds only for some of the register layouts triton gives
 # the decoded tile. On an H100 (``benchmarks/experiments/dot_tiles.py``, ``benchmarks/results/dot_tiles.md``)
-# 64 and 128 columns in 4 or 8 warps were right at every K step tried, and 256 in 8 warps is the GPU
-# tests' reference for the Gluon GEMM2 of 256 columns; 2 warps were wrong at every width, and 32 columns
-# at some K steps in 4 and in 8 warps (relative L2 1.2-1.7). Every tile a plan or the tuner takes is among
-# these; ``GeometryPlans._check_dot`` refuses the others before anything compiles.
-DOT_PTX_TILES = ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))
+# 64, 128 and 256 columns in 4 or 8 warps were right in all four kernels at every K step tried; 2 warps
+# were wrong at every width, and 32 columns at some K steps in 4 and in 8 warps (relative L2 1.2-1.7).
+# Every tile a plan or the tuner takes is among the right ones; ``GeometryPlans._check_dot`` refuses the
+# others before anything compiles.
+DOT_PTX_TILES = ((64, 4), (64, 8), (128, 4), (128, 8), (256, 4), (256, 8))
 
 
 def edge_on() -> bool:
