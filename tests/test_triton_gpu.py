@@ -661,7 +661,7 @@ def test_gpu_gemv_fused_matches_two_launches(name):
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "odd-ep"])
-def test_gpu_tl_dot_kernels_sum_right_in_every_tile_the_ptx_decode_takes(name):
+def test_gpu_tl_dot_kernels_sum_right_in_the_tiles_the_ptx_decode_takes(name):
     """The ``tl.dot`` kernels with the inline-PTX decode, in each tile (columns, warps) that
     ``plan.DOT_PTX_TILES`` lets them take: the blocked GEMM1 and GEMM2 at 16-row blocks with K steps of
     64 and 128, gemv1 and gemv2 at their own, against the reference; tiles outside it (32 columns, 2

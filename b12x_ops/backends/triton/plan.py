@@ -1272,8 +1272,8 @@ class GeometryPlans:
                              "warp)")
 
     def _check_dot(self, cfg: Config, kind: str) -> None:
-        """A ``tl.dot`` kernel's tile under the inline-PTX decode (its columns and warps among
-        ``DOT_PTX_TILES``), before anything compiles; any tile without it (the Triton-operations decode)."""
+        """Refuse, before anything compiles, a ``tl.dot`` kernel's tile that the inline-PTX decode sums
+        wrong (its columns and warps not among ``DOT_PTX_TILES``); without that decode every tile passes."""
         if not self.ptx:
             return
         if cfg.fused:  # (the fused GEMV: both products in warps1)
