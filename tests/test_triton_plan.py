@@ -600,6 +600,23 @@ def test_tl_dot_tiles_the_ptx_decode_sums_wrong_are_refused(name):
         assert gp.launch("gemm2", dataclasses.replace(blocked, bn2=256, warps2=warps), 64).num_warps == warps
 
 
+@settings(max_examples=200, deadline=None)
+@given(E=st.integers(1, 512), K=st.integers(1, 256).map(lambda k: 32 * k), N=st.integers(1, 128).map(lambda n: 32 * n),
+       top_k=st.integers(1, 16), tokens=st.sampled_from([1, 2, 3, 5, 8, 13, 16, 40, 64, 100, 512, 3000, 8192]))
+def test_every_plan_and_candidate_takes_a_tile_the_ptx_decode_sums_right(E, K, N, top_k, tokens):
+    """For any layer and token count, every ``tl.dot`` tile a plan or the tuner may take is among
+    ``plan.DOT_PTX_TILES`` (so ``GeometryPlans._check_dot`` never refuses a plan's own config)."""
+    g = geometry(E, K, N, min(top_k, E))
+    cfgs = P.candidate_configs(tokens, g, gluon=True) + [P.default_config(tokens, g),
+                                                          P.default_config(tokens, g, mma=True)]
+    for cfg in cfgs:
+        for kind in _tl_dot_kinds(cfg):
+            fields = [("bn1", "warps1"), ("bn2", "warps1")] if cfg.fused else (
+                [("bn1", "warps1")] if kind == "gemm1" else [("bn2", "warps2")])
+            for bn, warps in fields:
+                assert (getattr(cfg, bn), getattr(cfg, warps)) in P.DOT_PTX_TILES, (cfg, kind)
+
+
 def _cuda_launcher(launch, coop=0, pdl=1, global_scratch=0, profile_scratch=0):
     """An instance of the installed triton's CUDA launcher class, its compiled C function replaced by
     ``launch`` (no GPU, no compile: only its Python ``__call__`` runs)."""
