@@ -136,6 +136,7 @@ def _print_triton_launch(device) -> None:
     _, why = plan.pdl_status(device)
     print(f"triton programmatic dependent launch: {why}")
     print(f"triton one-launch GEMV for eager calls: {plan.gemv_fused_status()}")
+    print(f"triton inline-PTX decode: {plan.ptx_status(device)[1]}")
     print(f"triton Gluon GEMMs: {plan.gluon_status(device)[1]}")
     print(f"triton GEMV on mma.sync: {plan.gemv_mma_status(device)}")
     print(f"triton half tiles for part-empty blocks: {plan.half_tiles_status()}")

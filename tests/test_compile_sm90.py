@@ -582,3 +582,60 @@ def test_offline_report_gives_each_launch_its_programs_an_sm(offline, capsys):
         assert int(row[7]) == programs_per_sm(regs, warps, shared, SM90_LIMITS) > 0, row
         assert float(row[9]) == round(int(row[8]) / (int(row[7]) * SM90_LIMITS["sms"]), 2) > 0, row  # (waves)
     assert int(rows[0][8]) % 8 == 0  # (one token's 8 slots: gemv1's programs are a multiple of them)
+
+
+def _decode_operand_layouts(kernel) -> set[str]:
+    """The layouts of the inline-PTX decode's operands in a compiled kernel's TTGIR: ``"v3 kWidth 2"`` (a
+    dot operand of an MMA of that version and kWidth), or ``"linear"``/the encoding's name otherwise."""
+    ttgir = kernel.asm["ttgir"]
+    defs = dict(re.findall(r"^(#\w+) = (.+)$", ttgir, re.M))
+    found = set()
+    for line in ttgir.splitlines():
+        if "elementwise_inline_asm" not in line or "0x81C081C0" not in line:
+            continue
+        enc = re.findall(r"tensor<[^,>]+, ([^>]+>?)>", line)[0]
+        enc = defs.get(enc, enc)
+        kw, parent = re.search(r"kWidth = (\d+)", enc), re.search(r"parent = (#\w+)", enc)
+        version = re.search(r"versionMajor = (\d+)", defs.get(parent.group(1), "")) if parent else None
+        found.add(f"v{version.group(1)} kWidth {kw.group(1)}" if kw and version else enc.split("<")[0])
+    assert found, "no inline-PTX decode in the kernel"
+    return found
+
+
+def test_ptx_decode_meets_the_wgmma_operand_order_only_on_sm90(offline, monkeypatch):
+    """The inline-PTX decode reads a thread's registers in the order of sm_90's wgmma operand (a dot operand
+    of MMA v3, kWidth 2). Compiled for sm_90, every tile ``plan.DOT_PTX_TILES`` lets the tl.dot kernels take
+    (the blocked GEMM1 and GEMM2, gemv1, gemv2) gives the decoded tile that layout. The tiles that summed
+    wrong on an H100 (32 columns in 4 warps at K steps of 128; 2 warps; ``results/dot_tiles.md``) get MMA
+    v2's (kWidth 4). So do the plans' own tiles compiled for sm_80, sm_89 and sm_120, where the PTX decode
+    is therefore off (``plan.ptx_status``)."""
+    import dataclasses
+
+    import triton
+
+    from b12x_ops.backends.triton import plan as P
+
+    monkeypatch.setattr(P.GeometryPlans, "_check_dot", lambda self, cfg, kind: None)  # (the wrong tiles too)
+    g = offline._geometry(dict(E=8, K=512, N=256, top_k=4, limit=None))
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.ptx, gp.fold, gp.dot_dtype = True, True, triton.language.bfloat16  # a GPU prepare's choices
+    blocked = dataclasses.replace(P.default_config(32, g, gemv=False), bm=16, gluon=False, gluon2=False)
+    small = P.default_config(2, g, gemv=True)
+    assert not small.mma and small.gemv
+
+    def layouts(kind, cfg, arch):
+        gp.launches.clear()
+        return _decode_operand_layouts(offline.compile_launch(gp.launch(kind, cfg, 32), arch))
+
+    wgmma = {"v3 kWidth 2"}
+    for bn, warps in P.DOT_PTX_TILES:
+        assert layouts("gemm1", dataclasses.replace(blocked, bn1=bn, warps1=warps), 90) == wgmma, (bn, warps)
+        assert layouts("gemm2", dataclasses.replace(blocked, bn2=bn, warps2=warps), 90) == wgmma, (bn, warps)
+    for kind in ("gemm1", "gemm2"):
+        assert layouts(kind, small, 90) == wgmma, kind
+    mma_v2 = {"v2 kWidth 4"}
+    assert layouts("gemm1", dataclasses.replace(blocked, bn1=32, bk1=128, warps1=4), 90) == mma_v2
+    assert layouts("gemm2", dataclasses.replace(blocked, warps2=2), 90) == mma_v2
+    for arch in (80, 89, 120):
+        for kind, cfg in (("gemm1", blocked), ("gemm2", blocked), ("gemm1", small)):
+            assert layouts(kind, cfg, arch) == mma_v2, (arch, kind)

@@ -600,6 +600,38 @@ def test_tl_dot_tiles_the_ptx_decode_sums_wrong_are_refused(name):
         assert gp.launch("gemm2", dataclasses.replace(blocked, bn2=256, warps2=warps), 64).num_warps == warps
 
 
+@pytest.mark.parametrize("cc, on", [((9, 0), True), ((8, 0), False), ((8, 6), False), ((8, 9), False),
+                                    ((10, 0), False), ((12, 0), False), (None, False)])
+def test_ptx_decode_runs_on_sm90_only_and_ptx_true_elsewhere_is_refused(monkeypatch, cc, on):
+    """The inline-PTX decode reads registers in sm_90's wgmma operand order (``plan.ptx_status``): on, by
+    default, on sm_90 with scale bytes in [2, 252]; off on other GPUs, where triton's tl.dot operand holds
+    another order (``test_compile_sm90``), and off with ``ptx=False``, other scale bytes or no CUDA device,
+    each with its reason (``b12x-ops info``); prepare's ``ptx=True`` on a GPU other than sm_90 is refused
+    by an error naming the option, and None and False pass."""
+    monkeypatch.setattr(P, "INTERPRET", False)
+    monkeypatch.setattr(P, "_capability", lambda device: cc)
+    got, why = P.ptx_status("cuda")
+    assert got is on
+    if on:
+        assert why.startswith("on:")
+        assert P.ptx_status("cuda", fast_scales=False) == (False, "off: scale bytes outside [2, 252] (Triton "
+                                                                  "operations decode)")
+    elif cc is None:
+        assert why == "off: needs an sm_90 CUDA device (got cuda)"
+    else:
+        assert f"on sm_{cc[0]}{cc[1]} triton's tl.dot operand holds another" in why
+    assert P.ptx_status("cuda", ptx=False) == (False, "off (ptx=False): Triton operations decode")
+    for ptx in (None, False):
+        P.check_ptx_option("cuda", ptx)
+    if on or cc is None:
+        P.check_ptx_option("cuda", True)
+    else:
+        with pytest.raises(ValueError, match=rf"option ptx: True needs an sm_90 GPU .* sm_{cc[0]}{cc[1]}"):
+            P.check_ptx_option("cuda", True)
+    monkeypatch.setattr(P, "INTERPRET", True)
+    assert not P.ptx_status("cuda")[0]
+
+
 @settings(max_examples=200, deadline=None)
 @given(E=st.integers(1, 512), K=st.integers(1, 256).map(lambda k: 32 * k), N=st.integers(1, 128).map(lambda n: 32 * n),
        top_k=st.integers(1, 16), tokens=st.sampled_from([1, 2, 3, 5, 8, 13, 16, 40, 64, 100, 512, 3000, 8192]))

@@ -12,10 +12,11 @@ Options (``prepare_experts(..., backend="triton", **options)``):
   where it runs on mma.sync), the blocked tensor-core path the rest (the
   tuner may pick either below the bound); ``True`` uses GEMV for every planned count, ``False``
   never (benchmarks compare the two this way).
-* ``ptx`` (bool or None, default None): the kernels decode MXFP4 with inline PTX
+* ``ptx`` (bool or None, default None): on sm_90 the kernels decode MXFP4 with inline PTX
   (``mxtl.decode_repacked``) when the checkpoint's scale bytes allow it (in [2, 252]; in [2, 128],
   the usual case, its cheaper one-fma form); ``False`` uses the Triton-ops decode (a benchmark and
-  debugging switch).
+  debugging switch), which other GPUs always take (``plan.ptx_status``: the asm's register order is
+  the wgmma operand's); ``True`` on another GPU is refused.
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 
@@ -109,6 +110,7 @@ def prepare(spec) -> State:
     for opt, val in (("gemv", gemv), ("ptx", ptx)):
         if val is not None and not isinstance(val, bool):
             raise ValueError(f"prepare_experts: backend 'triton' option {opt}: expected None, True or False, got {val!r}")
+    P.check_ptx_option(g.device, ptx)
 
     # Scale bytes in [2, 252] take the integer decode (the scale folded into the exponent); a
     # checkpoint with others gets kernels of its own (the geometry key includes the choice).

@@ -285,6 +285,42 @@ def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
                   "(B12X_OPS_TRITON_GLUON=0 turns it off)")
 
 
+# The inline-PTX decode's asm (``mxtl.decode_repacked``) reads a thread's registers four at a time in the
+# order of Hopper's wgmma operand (an MMA v3 dot operand of kWidth 2). Where triton puts a tl.dot on MMA v2
+# instead, the operand (kWidth 4) holds the registers in another order: on an H100 the tiles it put there
+# summed wrong (``benchmarks/results/dot_tiles.md``). On sm_80, sm_89 and sm_120 triton compiles every
+# tl.dot on MMA v2, the plans' tiles included (offline, triton 3.6 and 3.9), so the PTX decode runs on
+# sm_90 only; other GPUs decode with Triton operations.
+PTX_CAPABILITY = (9, 0)
+
+
+def ptx_status(device, fast_scales: bool = True, ptx=None) -> tuple[bool, str]:
+    """Whether the kernels on ``device`` decode with inline PTX, and why (``b12x-ops info``; prepare's
+    ``ptx`` option ``ptx``, the checkpoint's scale bytes in [2, 252] where ``fast_scales``)."""
+    if ptx is False:
+        return False, "off (ptx=False): Triton operations decode"
+    if INTERPRET:
+        return False, "off: TRITON_INTERPRET=1 (the interpreter decodes with Triton operations)"
+    cc = _capability(device)
+    if cc is None:
+        return False, f"off: needs an sm_90 CUDA device (got {device})"
+    if cc != PTX_CAPABILITY:
+        return False, (f"off: its register order is sm_90's wgmma operand's, and on sm_{cc[0]}{cc[1]} triton's "
+                       "tl.dot operand holds another, so Triton operations decode")
+    if not fast_scales:
+        return False, "off: scale bytes outside [2, 252] (Triton operations decode)"
+    return True, ("on: the tl.dot kernels and the Gluon ones decode with inline PTX where the checkpoint's scale "
+                  "bytes lie in [2, 252] (ptx=False turns it off)")
+
+
+def check_ptx_option(device, ptx) -> None:
+    """Prepare's ``ptx`` option: True asks for the PTX decode, which sums right on sm_90 only."""
+    cc = _capability(device)
+    if ptx is True and cc is not None and cc != PTX_CAPABILITY:
+        raise ValueError(f"prepare_experts: backend 'triton' option ptx: True needs an sm_90 GPU (the inline-PTX "
+                         f"decode sums wrong on sm_{cc[0]}{cc[1]}); use None or False")
+
+
 # The GEMMs (tl.dot and Gluon) of blocks of at least HALF_MIN_BM rows run a block of at most half
 # that many rows (an expert's part-empty last block, often) in the tile of half the rows: half the
 # MMA work and activation loads, the same weights decoded, the same bits (``kernels.gemm1_kernel``'s
@@ -1043,8 +1079,12 @@ class GeometryPlans:
                  pdl=None):
         self.geometry = geometry
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
-        # the GEMM and GEMV kernels decode with inline PTX (GPU, scale bytes in [2, 252]) unless ptx=False
-        self.ptx = bool(fast_scales and not INTERPRET and ptx is not False)
+        # the GEMM and GEMV kernels decode with inline PTX (sm_90, scale bytes in [2, 252]) unless ptx=False;
+        # a plan of no CUDA device (dry plans, the offline compiles) decides as sm_90 would
+        if _capability(geometry.device) is None:
+            self.ptx = bool(fast_scales and not INTERPRET and ptx is not False)
+        else:
+            self.ptx = ptx_status(geometry.device, fast_scales, ptx)[0]
         # scale bytes in [2, 128]: the PTX decode folds its 2^126 into the scale (one fma a pair less)
         self.fold = bool(fold and self.ptx)
         self.configs: dict[int, Config] = {}
