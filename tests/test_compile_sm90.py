@@ -629,10 +629,9 @@ def test_ptx_decode_meets_the_wgmma_operand_order_only_on_sm90(offline, monkeypa
 
     wgmma = {"v3 kWidth 2"}
     for bn, warps in P.DOT_PTX_TILES:
-        assert layouts("gemm1", dataclasses.replace(blocked, bn1=bn, warps1=warps), 90) == wgmma, (bn, warps)
-        assert layouts("gemm2", dataclasses.replace(blocked, bn2=bn, warps2=warps), 90) == wgmma, (bn, warps)
-    for kind in ("gemm1", "gemm2"):
-        assert layouts(kind, small, 90) == wgmma, kind
+        for cfg in (blocked, small):
+            assert layouts("gemm1", dataclasses.replace(cfg, bn1=bn, warps1=warps), 90) == wgmma, (cfg, bn, warps)
+            assert layouts("gemm2", dataclasses.replace(cfg, bn2=bn, warps2=warps), 90) == wgmma, (cfg, bn, warps)
     mma_v2 = {"v2 kWidth 4"}
     assert layouts("gemm1", dataclasses.replace(blocked, bn1=32, bk1=128, warps1=4), 90) == mma_v2
     assert layouts("gemm2", dataclasses.replace(blocked, warps2=2), 90) == mma_v2
