@@ -314,11 +314,12 @@ def ptx_status(device, fast_scales: bool = True, ptx=None) -> tuple[bool, str]:
 
 
 def check_ptx_option(device, ptx) -> None:
-    """Prepare's ``ptx`` option: True asks for the PTX decode, which sums right on sm_90 only."""
+    """Prepare's ``ptx`` option: True asks for the PTX decode, which runs on sm_90 only (``ptx_status``)."""
     cc = _capability(device)
     if ptx is True and cc is not None and cc != PTX_CAPABILITY:
         raise ValueError(f"prepare_experts: backend 'triton' option ptx: True needs an sm_90 GPU (the inline-PTX "
-                         f"decode sums wrong on sm_{cc[0]}{cc[1]}); use None or False")
+                         f"decode reads registers in the order of sm_90's wgmma operand, and triton's tl.dot "
+                         f"operand on sm_{cc[0]}{cc[1]} holds another); use None or False")
 
 
 # The GEMMs (tl.dot and Gluon) of blocks of at least HALF_MIN_BM rows run a block of at most half
