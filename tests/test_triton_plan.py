@@ -639,14 +639,13 @@ def test_every_plan_and_candidate_takes_a_tile_the_ptx_decode_sums_right(E, K, N
     """For any layer and token count, every ``tl.dot`` tile a plan or the tuner may take is among
     ``plan.DOT_PTX_TILES`` (so ``GeometryPlans._check_dot`` never refuses a plan's own config)."""
     g = geometry(E, K, N, min(top_k, E))
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
+    gp.ptx = True  # (as a GPU prepare sets it)
     cfgs = P.candidate_configs(tokens, g, gluon=True) + [P.default_config(tokens, g),
                                                           P.default_config(tokens, g, mma=True)]
     for cfg in cfgs:
         for kind in _tl_dot_kinds(cfg):
-            fields = [("bn1", "warps1"), ("bn2", "warps1")] if cfg.fused else (
-                [("bn1", "warps1")] if kind == "gemm1" else [("bn2", "warps2")])
-            for bn, warps in fields:
-                assert (getattr(cfg, bn), getattr(cfg, warps)) in P.DOT_PTX_TILES, (cfg, kind)
+            gp._check_dot(cfg, kind)  # (raises where a tile is not among them)
 
 
 def _cuda_launcher(launch, coop=0, pdl=1, global_scratch=0, profile_scratch=0):

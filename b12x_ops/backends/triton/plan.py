@@ -297,11 +297,15 @@ PTX_CAPABILITY = (9, 0)
 def ptx_status(device, fast_scales: bool = True, ptx=None) -> tuple[bool, str]:
     """Whether the kernels on ``device`` decode with inline PTX, and why (``b12x-ops info``; prepare's
     ``ptx`` option ``ptx``, the checkpoint's scale bytes in [2, 252] where ``fast_scales``)."""
+    return _ptx_decision(_capability(device), fast_scales, ptx, device)
+
+
+def _ptx_decision(cc, fast_scales: bool, ptx, device=None) -> tuple[bool, str]:
+    """``ptx_status`` for compute capability ``cc`` (None: no CUDA device)."""
     if ptx is False:
         return False, "off (ptx=False): Triton operations decode"
     if INTERPRET:
         return False, "off: TRITON_INTERPRET=1 (the interpreter decodes with Triton operations)"
-    cc = _capability(device)
     if cc is None:
         return False, f"off: needs an sm_90 CUDA device (got {device})"
     if cc != PTX_CAPABILITY:
@@ -316,7 +320,7 @@ def ptx_status(device, fast_scales: bool = True, ptx=None) -> tuple[bool, str]:
 def check_ptx_option(device, ptx) -> None:
     """Prepare's ``ptx`` option: True asks for the PTX decode, which runs on sm_90 only (``ptx_status``)."""
     cc = _capability(device)
-    if ptx is True and cc is not None and cc != PTX_CAPABILITY:
+    if ptx is True and cc not in (None, PTX_CAPABILITY):
         raise ValueError(f"prepare_experts: backend 'triton' option ptx: True needs an sm_90 GPU (the inline-PTX "
                          f"decode reads registers in the order of sm_90's wgmma operand, and triton's tl.dot "
                          f"operand on sm_{cc[0]}{cc[1]} holds another); use None or False")
@@ -1082,10 +1086,7 @@ class GeometryPlans:
         self.gemv = gemv  # the GEMV path: None by token count, True always, False never
         # the GEMM and GEMV kernels decode with inline PTX (sm_90, scale bytes in [2, 252]) unless ptx=False;
         # a plan of no CUDA device (dry plans, the offline compiles) decides as sm_90 would
-        if _capability(geometry.device) is None:
-            self.ptx = bool(fast_scales and not INTERPRET and ptx is not False)
-        else:
-            self.ptx = ptx_status(geometry.device, fast_scales, ptx)[0]
+        self.ptx = _ptx_decision(_capability(geometry.device) or PTX_CAPABILITY, fast_scales, ptx)[0]
         # scale bytes in [2, 128]: the PTX decode folds its 2^126 into the scale (one fma a pair less)
         self.fold = bool(fold and self.ptx)
         self.configs: dict[int, Config] = {}
