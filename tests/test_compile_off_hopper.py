@@ -1,0 +1,75 @@
+"""The Triton backend's untuned launches compile for the GPUs besides sm_90 that it claims (sm_80 and newer).
+
+No GPU here is one of them, and the device tool lends only Hoppers, so this is what checks the claim:
+a prepare on an A100 (sm_80), an L40 or RTX 4090 (sm_89) or an RTX 5090 forced onto ``backend="triton"``
+(sm_120) takes the Triton-operations decode (``plan.ptx_status``), no Gluon (``plan.gluon_status``) and
+programmatic dependent launches from sm_90 on (``plan.pdl_status``); its launches, the MXFP8
+conversions and the tl.dot GEMMs among them, must compile for that target with ptxas, put their
+products on MMA v2 (``mma.sync``) and fit the target's shared memory. It checks compilation, not
+numbers: the arithmetic is the interpreter suite's and the sm_90 suite's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (the ``offline`` fixture, benchmarks/compile_offline.py, is conftest.py's)
+
+# A block's largest opt-in shared memory (CUDA programming guide, compute capabilities table)
+SHARED_LIMIT = {80: 163 * 1024, 89: 99 * 1024, 120: 99 * 1024}
+
+# one benchmark layer an arch (benchmarks/bench_moe.py's GEOMETRIES), so each geometry is seen once
+CASES = [(80, "gpt-oss-120b"), (89, "dsv4.1-tp4"), (120, "qwen3-30b-a3b")]
+SIZES = (1, 4, 8, 64, 8192)  # GEMV, GEMV after xquant, blocked small, blocked large (its largest tiles)
+
+
+def _plans(offline, arch: int, name: str):
+    import triton
+
+    from b12x_ops.backends.triton import plan as P
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from bench_moe import GEOMETRIES
+    finally:
+        sys.path.pop(0)
+    ptx, why = P._ptx_decision((arch // 10, arch % 10), True, None)
+    assert not ptx and f"sm_{arch}" in why, why  # (what ptx_status says on that GPU)
+    gp = P.GeometryPlans(offline._geometry(GEOMETRIES[name]), True, None, ptx=False, dry=True, pdl=arch >= 90)
+    gp.dot_dtype = triton.language.bfloat16  # (a GPU prepare's; a dry plan on the CPU keeps the interpreter's)
+    assert not gp.ptx and not gp.fold and not gp.gluon
+    return gp
+
+
+@pytest.mark.parametrize("arch,name", CASES)
+def test_untuned_launches_compile_off_hopper(offline, arch, name):
+    gp = _plans(offline, arch, name)
+    compiled = {}
+    for M in SIZES:
+        cfg = gp.default(M)
+        assert not (cfg.gluon or cfg.gluon2 or cfg.mma), (M, cfg)  # (the sm_90-only forms)
+        rn = gp.runner(cfg, M)
+        launches = (*zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)),
+                    ("edge1", rn.edge1), ("edge2", rn.edge2))
+        for stage, ln in launches:
+            if ln is not None and id(ln) not in compiled:
+                compiled[id(ln)] = (M, stage, ln, offline.compile_launch(ln, arch))
+    kinds = {ck.metadata.name for *_, ck in compiled.values()}
+    assert {"gemv1_kernel", "gemv2_kernel", "xquant_kernel", "prologue_kernel", "gemm1_kernel", "gemm2_kernel",
+            "finalize_kernel"} <= kinds, kinds
+    for M, stage, ln, ck in compiled.values():
+        what = (arch, name, M, stage, ck.metadata.name)
+        assert ck.asm["cubin"], what
+        ptx = ck.asm["ptx"]
+        assert f".target sm_{arch}" in ptx, what
+        assert ck.metadata.shared <= SHARED_LIMIT[arch], (what, ck.metadata.shared)
+        assert "wgmma" not in ptx and "0x81808180" not in ptx, what  # (no wgmma, no inline-PTX decode)
+        assert ("griddepcontrol" in ptx) == (arch >= 90), what  # (PDL from sm_90 on)
+        if ck.metadata.name.startswith(("gemm", "gemv")):
+            assert "mma.sync" in ptx, what
