@@ -5,7 +5,8 @@ what the compiler made of them: registers, spills, shared memory, async copies.
 
 Triton compiles for any NVIDIA target without a GPU (its wheel carries ptxas), so register
 pressure and the effect of a kernel change on it can be checked here before spending device time.
-The kernels are the ones a prepare would launch (the default config per token count), with the
+The kernels are the ones a prepare on a GPU of ``--arch`` would launch (the default config per token
+count: on sm_90 the inline-PTX decode, elsewhere Triton operations, ``geometry_plans``), with the
 pointer alignment a real launch specializes on. Numbers depend on the triton version (the device's
 triton is what counts: install the same version to compare). ``--loops`` also counts the SASS
 instructions of each loop body by kind (a kernel's main loop per step, e.g. against the weights a
@@ -184,9 +185,10 @@ def main(argv=None):
     ap.add_argument("--gemv", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--stages", nargs="*", default=["prologue", "gemm1", "gemm2", "finalize"])
     ap.add_argument("--loops", action="store_true", help="count each loop body's SASS instructions by kind")
-    ap.add_argument("--pdl", action="store_true", help="as programmatic dependent launches (plan.pdl_status)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="as programmatic dependent launches (plan.pdl_status; sm_90 and newer)")
     ap.add_argument("--gluon", action="store_true",
-                    help="the Gluon forms an sm_90 prepare takes (plan.with_gluon), with their edge launches")
+                    help="the Gluon forms an sm_90 prepare takes (plan.with_gluon), with their edge launches (sm_90 only)")
     args = ap.parse_args(argv)
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]
@@ -196,11 +198,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.geometries:
         geo = GEOMETRIES[name]
-        g = _geometry(geo)
-        gp = P.GeometryPlans(g, True, gemv, ptx=True, dry=True, fold=True, pdl=args.pdl)
-        gp.ptx = gp.fold = True  # what a GPU prepare with usual scales (bytes in [2, 128]) chooses
-        gp.dot_dtype = triton.language.bfloat16
-        gp.gluon = args.gluon
+        gp = geometry_plans(geo, args.arch, gemv, pdl=args.pdl, gluon=args.gluon)
         compiled = {}  # (a launch several token counts share compiles once)
         for M in args.sizes:
             cfg = gp.default(M)  # (what a GPU prepare runs untuned: with --gluon, the GEMV on mma.sync up to its bounds)
@@ -243,6 +241,19 @@ def _compile_report(ln, arch: int) -> tuple:
         return res, ck.asm["ptx"].count("cp.async"), per_sm, ck
     except Exception as exc:  # noqa: BLE001 - report and go on
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", "", "", None
+
+
+def geometry_plans(geo, arch: int, gemv=None, pdl: bool = False, gluon: bool = False) -> P.GeometryPlans:
+    """Dry plans of benchmark geometry ``geo`` with the choices a prepare on an ``arch`` GPU makes for a
+    checkpoint of usual scales (bytes in [2, 128]): the folded inline-PTX decode on sm_90, Triton
+    operations elsewhere (``plan.ptx_status``); ``pdl`` and ``gluon`` as asked, where that GPU takes them
+    (``plan.pdl_status``: sm_90 and newer; ``plan.gluon_status``: sm_90)."""
+    ptx = P._ptx_decision((arch // 10, arch % 10), True, None)[0]
+    gp = P.GeometryPlans(_geometry(geo), True, gemv, ptx=ptx, dry=True, fold=ptx, pdl=pdl and arch >= 90)
+    gp.ptx = gp.fold = ptx  # (a dry plan decides as sm_90 would)
+    gp.dot_dtype = triton.language.bfloat16  # (a dry plan on a CPU keeps the interpreter's fp32)
+    gp.gluon = gluon and arch == 90
+    return gp
 
 
 def _geometry(geo):

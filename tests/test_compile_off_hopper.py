@@ -30,8 +30,6 @@ SIZES = (1, 4, 8, 64, 8192)  # GEMV, GEMV after xquant, blocked small, blocked l
 
 
 def _plans(offline, arch: int, name: str):
-    import triton
-
     from b12x_ops.backends.triton import plan as P
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -41,9 +39,8 @@ def _plans(offline, arch: int, name: str):
         sys.path.pop(0)
     ptx, why = P._ptx_decision((arch // 10, arch % 10), True, None)
     assert not ptx and f"sm_{arch}" in why, why  # (what ptx_status says on that GPU)
-    gp = P.GeometryPlans(offline._geometry(GEOMETRIES[name]), True, None, ptx=False, dry=True, pdl=arch >= 90)
-    gp.dot_dtype = triton.language.bfloat16  # (a GPU prepare's; a dry plan on the CPU keeps the interpreter's)
-    assert not gp.ptx and not gp.fold and not gp.gluon
+    gp = offline.geometry_plans(GEOMETRIES[name], arch, pdl=True, gluon=True)  # (as far as that GPU takes them)
+    assert not gp.ptx and not gp.fold and not gp.gluon and gp.pdl == (arch >= 90)
     return gp
 
 
