@@ -250,7 +250,7 @@ def geometry_plans(geo, arch: int, gemv=None, pdl: bool = False, gluon: bool = F
     (``plan.pdl_status``: sm_90 and newer; ``plan.gluon_status``: sm_90)."""
     ptx = P._ptx_decision((arch // 10, arch % 10), True, None)[0]
     gp = P.GeometryPlans(_geometry(geo), True, gemv, ptx=ptx, dry=True, fold=ptx, pdl=pdl and arch >= 90)
-    gp.ptx = gp.fold = ptx  # (a dry plan decides as sm_90 would)
+    gp.ptx = gp.fold = ptx  # (the constructor's choice is this machine's: off under TRITON_INTERPRET=1)
     gp.dot_dtype = triton.language.bfloat16  # (a dry plan on a CPU keeps the interpreter's fp32)
     gp.gluon = gluon and arch == 90
     return gp

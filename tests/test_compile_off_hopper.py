@@ -1,8 +1,7 @@
 """The Triton backend's untuned launches compile for the GPUs besides sm_90 that it claims (sm_80 and newer).
 
-No GPU here is one of them, and the device tool lends only Hoppers, so this is what checks the claim:
-a prepare on an A100 (sm_80), an L40 or RTX 4090 (sm_89) or an RTX 5090 forced onto ``backend="triton"``
-(sm_120) takes the Triton-operations decode (``plan.ptx_status``), no Gluon (``plan.gluon_status``) and
+The backend has run on H100 and H200 GPUs only, so off Hopper this is what checks the claim: on an A100 (sm_80), an L40 or RTX 4090 (sm_89) or an RTX 5090 forced onto ``backend="triton"`` (sm_120)
+takes the Triton-operations decode (``plan.ptx_status``), no Gluon (``plan.gluon_status``) and
 programmatic dependent launches from sm_90 on (``plan.pdl_status``); its launches, the MXFP8
 conversions and the tl.dot GEMMs among them, must compile for that target with ptxas, put their
 products on MMA v2 (``mma.sync``) and fit the target's shared memory. It checks compilation, not
