@@ -1,6 +1,7 @@
 """The Triton backend's untuned launches compile for the GPUs besides sm_90 that it claims (sm_80 and newer).
 
-The backend has run on H100 and H200 GPUs only, so off Hopper this is what checks the claim: on an A100 (sm_80), an L40 or RTX 4090 (sm_89) or an RTX 5090 forced onto ``backend="triton"`` (sm_120)
+The backend has run on H100 and H200 GPUs only, so off Hopper this is what checks the claim. A prepare
+on an A100 (sm_80), an L40 or RTX 4090 (sm_89) or an RTX 5090 forced onto ``backend="triton"`` (sm_120)
 takes the Triton-operations decode (``plan.ptx_status``), no Gluon (``plan.gluon_status``) and
 programmatic dependent launches from sm_90 on (``plan.pdl_status``); its launches, the MXFP8
 conversions and the tl.dot GEMMs among them, must compile for that target with ptxas, put their
