@@ -251,7 +251,7 @@ def geometry_plans(geo, arch: int, gemv=None, pdl: bool = False, gluon: bool = F
     ptx = P._ptx_decision((arch // 10, arch % 10), True, None)[0]
     gp = P.GeometryPlans(_geometry(geo), True, gemv, ptx=ptx, dry=True, fold=ptx, pdl=pdl and arch >= 90)
     gp.ptx = gp.fold = ptx  # (the constructor's choice is this machine's: off under TRITON_INTERPRET=1)
-    gp.dot_dtype = triton.language.bfloat16  # (a dry plan on a CPU keeps the interpreter's fp32)
+    gp.dot_dtype = triton.language.bfloat16  # (the constructor's is fp32 under TRITON_INTERPRET=1)
     gp.gluon = gluon and arch == 90
     return gp
 

@@ -611,14 +611,11 @@ def test_ptx_decode_meets_the_wgmma_operand_order_only_on_sm90(offline, monkeypa
     is therefore off (``plan.ptx_status``)."""
     import dataclasses
 
-    import triton
-
     from b12x_ops.backends.triton import plan as P
 
     monkeypatch.setattr(P.GeometryPlans, "_check_dot", lambda self, cfg, kind: None)  # (the wrong tiles too)
-    g = offline._geometry(dict(E=8, K=512, N=256, top_k=4, limit=None))
-    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
-    gp.ptx, gp.fold, gp.dot_dtype = True, True, triton.language.bfloat16  # a GPU prepare's choices
+    gp = offline.geometry_plans(dict(E=8, K=512, N=256, top_k=4, limit=None), 90)  # (an sm_90 prepare's choices)
+    g = gp.geometry
     blocked = dataclasses.replace(P.default_config(32, g, gemv=False), bm=16, gluon=False, gluon2=False)
     small = P.default_config(2, g, gemv=True)
     assert not small.mma and small.gemv
