@@ -573,6 +573,8 @@ def gemv_quantizes_x_first(tokens: int, geometry) -> bool:
 # 36.3 us, Qwen3 19.5 -> 18.6, DSv4 24.2 -> 22.7; M = 2 gpt-oss 66.6 -> 64.6, Qwen3 29.2 -> 27.2.
 # With x quantized first (161-165 registers) the cap was slower for gpt-oss (107.7 -> 115.3 at
 # M = 4), so that form is left uncapped (its 128-element steps since need 66-100 registers).
+# With the Triton-operations decode (GPUs other than sm_90) the cap spills a little and still wins on
+# an H100 standing in for them, 3-8 % at M = 1-2 (``benchmarks/results/maxreg_ptx0_h100.md``).
 GEMV1_MAXNREG = 128
 # gemv1 and gemv2 in one launch where x is quantized on the fly (``kernels.gemv_fused_kernel``,
 # gemv2's programs waiting inside the grid for their token's gemv1 programs): one launch's host
