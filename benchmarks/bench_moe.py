@@ -398,7 +398,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
     expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
     layers = [random_layer(E, K, N, dev, 100 + i) for i in range(L)]
     t0 = time.perf_counter()
-    opts = dict(getattr(variant, "PREPARE_OPTIONS", {}))
+    opts = dict(getattr(variant, "PREPARE_OPTIONS", {}), **({"ptx": False} if args.ptx_off else {}))
     handles = adapt_handles(variant, [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
                                                                tune=not args.no_tune, max_tokens=max(args.sizes),
                                                                decode_token_counts=planned_counts(args),
@@ -788,7 +788,7 @@ def command_line(args) -> str:
             + ("" if not args.no_tune else " --no-tune")
             + ("" if args.layers == 8 else f" --layers {args.layers}") + ("" if args.reps == 20 else f" --reps {args.reps}")
             + (" --exact-sizes" if args.exact_sizes else "") + (" --diagnose" if args.diagnose else "")
-            + (f" --variant {args.variant}" if args.variant else ""))
+            + (f" --variant {args.variant}" if args.variant else "") + (" --ptx-off" if args.ptx_off else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -804,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan every size of --sizes exactly (decode_token_counts); else a size between the "
                          "ladder's powers of two runs the next planned count's plan, as an engine that names none")
     ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
+    ap.add_argument("--ptx-off", action="store_true",
+                    help="prepare with ptx=False: on sm_90 the plans GPUs other than sm_90 take (the Triton-operations "
+                         "decode, no Gluon, no mma.sync GEMV), to time them where no such GPU is at hand")
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ (say experiments.<name>) with stage kernels under evaluation: "
                          "timed in the package's place (see load_variant)")

@@ -114,6 +114,7 @@ def test_bench_plans_every_size_exactly_only_when_asked(monkeypatch):
     assert plan_capacities(max(ladder.sizes), B.planned_counts(ladder)) == (1, 2, 4, 6)
     assert B.command_line(exact) == "python benchmarks/bench_moe.py --no-tune --layers 4 --exact-sizes"
     assert B.command_line(ladder) == "python benchmarks/bench_moe.py --no-tune --layers 4"
+    assert B.command_line(ap.parse_args(["--no-tune", "--ptx-off"])) == "python benchmarks/bench_moe.py --no-tune --ptx-off"
 
 
 def test_bench_markdown_says_which_eager_calls_were_chained(tmp_path, monkeypatch):
