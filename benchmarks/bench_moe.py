@@ -398,7 +398,7 @@ def bench_geometry(name, geo, args, bw, peak, log, variant=None):
     expert_bytes = 2 * N * K // 2 + 2 * N * K // 32 + K * N // 2 + K * N // 32
     layers = [random_layer(E, K, N, dev, 100 + i) for i in range(L)]
     t0 = time.perf_counter()
-    opts = dict(getattr(variant, "PREPARE_OPTIONS", {}), **({"ptx": False} if args.ptx_off else {}))
+    opts = dict(getattr(variant, "PREPARE_OPTIONS", {}), **prepare_options(args))
     handles = adapt_handles(variant, [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
                                                                tune=not args.no_tune, max_tokens=max(args.sizes),
                                                                decode_token_counts=planned_counts(args),
@@ -714,7 +714,7 @@ def gemv_compare(args, log, bw=4.27e12):
                 handles[mode] = [b12x_ops.prepare_experts(*lw, top_k=top_k, swiglu_limit=limit, backend="triton",
                                                           tune=not args.no_tune, gemv=mode, max_tokens=max(args.sizes),
                                                           decode_token_counts=planned_counts(args),
-                                                          frozen=not (mode and args.gemv_sweep))
+                                                          frozen=not (mode and args.gemv_sweep), **prepare_options(args))
                                  for lw in layers]
             except Exception as exc:  # noqa: BLE001 - report and go on with the other path
                 log(f"{name}: prepare gemv={mode} failed: {type(exc).__name__}: {exc}")
@@ -780,6 +780,11 @@ def planned_counts(args) -> tuple[int, ...]:
     """``decode_token_counts`` for the handles: every size with ``--exact-sizes``, else none (the ladder of
     powers of two up to the largest size, so that a size between two runs the larger one's plan)."""
     return tuple(args.sizes) if args.exact_sizes else ()
+
+
+def prepare_options(args) -> dict:
+    """The backend options the command line sets for every prepare (``--ptx-off``: ``ptx=False``)."""
+    return {"ptx": False} if args.ptx_off else {}
 
 
 def command_line(args) -> str:

@@ -114,7 +114,19 @@ def test_bench_plans_every_size_exactly_only_when_asked(monkeypatch):
     assert plan_capacities(max(ladder.sizes), B.planned_counts(ladder)) == (1, 2, 4, 6)
     assert B.command_line(exact) == "python benchmarks/bench_moe.py --no-tune --layers 4 --exact-sizes"
     assert B.command_line(ladder) == "python benchmarks/bench_moe.py --no-tune --layers 4"
-    assert B.command_line(ap.parse_args(["--no-tune", "--ptx-off"])) == "python benchmarks/bench_moe.py --no-tune --ptx-off"
+
+
+def test_bench_ptx_off_prepares_the_other_gpus_plans_and_says_so(monkeypatch):
+    """``bench_moe.py --ptx-off`` prepares every handle with ``ptx=False`` (on sm_90 the plans other GPUs
+    take) and its table's command says so; without it no option is added."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+
+    ap = B.build_parser()
+    off, on = ap.parse_args(["--no-tune", "--ptx-off"]), ap.parse_args(["--no-tune"])
+    assert B.prepare_options(off) == {"ptx": False} and B.prepare_options(on) == {}
+    assert B.command_line(off) == "python benchmarks/bench_moe.py --no-tune --ptx-off"
+    assert B.command_line(on) == "python benchmarks/bench_moe.py --no-tune"
 
 
 def test_bench_markdown_says_which_eager_calls_were_chained(tmp_path, monkeypatch):
