@@ -4,7 +4,7 @@ programs an SM; an experiment (``benchmarks/NOTES.md`` has what it found).
     python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 16,64
     python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 1,2,4 gemv
     python benchmarks/experiments/maxreg.py gpt-oss-120b,qwen3-30b-a3b,dsv4.1-tp4 2,4 mma [80/None,None/48 ...]
-    MAXREG_PTX=0 B12X_OPS_TRITON_GLUON=0 python benchmarks/experiments/maxreg.py qwen3-30b-a3b 1,2 gemv None/None 128/None
+    MAXREG_PTX=0 python benchmarks/experiments/maxreg.py qwen3-30b-a3b 1,2 gemv None/None 128/None
 
 The first form caps the blocked path's gemm1/gemm2, the second the GEMV path's gemv1/gemv2 (at
 M = 1, 130 registers left gemv1 three 4-warp programs an SM; 128, its default cap since, four;
@@ -12,7 +12,8 @@ M = 1, 130 registers left gemv1 three 4-warp programs an SM; 128, its default ca
 GPU prepare runs untuned (``GeometryPlans.default``), with the cap pairs given (default below):
 more programs an SM, fewer waves, against the spills a cap brings. The GEMV form takes cap pairs too.
 ``MAXREG_PTX=0`` prepares with ``ptx=False``: the Triton-operations decode, the one GPUs other than sm_90
-run (``plan.ptx_status``), so an sm_90 GPU can stand in for them in timing their caps.
+run (``plan.ptx_status``; it leaves out Gluon as well), so an sm_90 GPU can stand in for them in timing
+their caps.
 
 Prints, per geometry and M, the time per layer (CUDA-graph replay over 3 layers) for each
 (GEMM1 cap / GEMM2 cap) pair, the registers the kernels got and the error against the reference.
@@ -44,12 +45,12 @@ GEMV = MODE in ("gemv", "mma")
 # with 8-16 bytes of spills offline)
 combos = ([(None, None), (128, None), (96, None), (None, 80), (128, 80), (96, 64), (128, 64), (None, None)] if GEMV
           else [(None, None), (80, None), (None, 72), (80, 72), (None, 64), (72, 64), (None, None)])
-PTX = None if os.environ.get("MAXREG_PTX", "") != "0" else False
-if MODE in ("gemv", "mma") and len(sys.argv) > 4:
-    combos = [tuple(None if v == "None" else int(v) for v in c.split("/")) for c in sys.argv[4:]]
 if MODE == "mma":  # (offline, triton 3.6: gemv1 at 80 is six 4-warp programs an SM with 40-88 bytes of stack;
     # gemv2 at 48 five 8-warp (Qwen3) or ten 4-warp programs, 0-24 bytes)
-    combos = combos if len(sys.argv) > 4 else [(None, None), (80, None), (None, 48), (80, 48), (None, 64), (None, None)]
+    combos = [(None, None), (80, None), (None, 48), (80, 48), (None, 64), (None, None)]
+if GEMV and len(sys.argv) > 4:  # (the cap pairs given)
+    combos = [tuple(None if v == "None" else int(v) for v in c.split("/")) for c in sys.argv[4:]]
+PTX = False if os.environ.get("MAXREG_PTX") == "0" else None
 for name in sys.argv[1].split(","):
     geo = GEOMETRIES[name]
     E, K, N, top_k, limit = geo["E"], geo["K"], geo["N"], geo["top_k"], geo["limit"]
