@@ -138,7 +138,7 @@ def _print_triton_launch(device) -> None:
     print(f"triton one-launch GEMV for eager calls: {plan.gemv_fused_status()}")
     print(f"triton inline-PTX decode: {plan.ptx_status(device)[1]}")
     print(f"triton Gluon GEMMs: {plan.gluon_status(device)[1]}")
-    print(f"triton GEMV on mma.sync: {plan.gemv_mma_status(device)}")
+    print(f"triton GEMV on mma.sync: {plan.gemv_mma_status(device)[1]}")
     print(f"triton half tiles for part-empty blocks: {plan.half_tiles_status()}")
     print(f"triton narrower last column tiles: {plan.edge_status()}")
     print(f"triton GEMM2 accumulator zeroed by: {plan.acc_zero_status()}")

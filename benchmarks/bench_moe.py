@@ -787,13 +787,29 @@ def prepare_options(args) -> dict:
     return {"ptx": False} if args.ptx_off else {}
 
 
+def stand_in(args):
+    """``--as-sm CC``: from here on the Triton backend's plans make the choices of a GPU of compute capability
+    CC (``plan._capability`` answers CC for every CUDA device): the decode of the tl.dot kernels, the Gluon
+    GEMMs, the GEMV on mma.sync, programmatic dependent launch. The kernels still compile for this GPU, so
+    on sm_90 a large tl.dot tile still lowers to wgmma where that GPU gets MMA v2. Returns the previous
+    answer's function (None where nothing changed), which the tests put back."""
+    if args.as_sm is None:
+        return None
+    from b12x_ops.backends.triton import plan as P
+
+    cc, real = (args.as_sm // 10, args.as_sm % 10), P._capability
+    P._capability = lambda device: None if real(device) is None else cc
+    return real
+
+
 def command_line(args) -> str:
     """The command a table states it was made by: the options that change its numbers."""
     return ("python benchmarks/bench_moe.py" + ("" if not args.triton_kernels else " --triton-kernels <DIR>")
             + ("" if not args.no_tune else " --no-tune")
             + ("" if args.layers == 8 else f" --layers {args.layers}") + ("" if args.reps == 20 else f" --reps {args.reps}")
             + (" --exact-sizes" if args.exact_sizes else "") + (" --diagnose" if args.diagnose else "")
-            + (f" --variant {args.variant}" if args.variant else "") + (" --ptx-off" if args.ptx_off else ""))
+            + (f" --variant {args.variant}" if args.variant else "") + (" --ptx-off" if args.ptx_off else "")
+            + (f" --as-sm {args.as_sm}" if args.as_sm is not None else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -810,8 +826,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "ladder's powers of two runs the next planned count's plan, as an engine that names none")
     ap.add_argument("--diagnose", action="store_true", help="per-stage times, registers, spills, grids")
     ap.add_argument("--ptx-off", action="store_true",
-                    help="prepare with ptx=False: on sm_90 the plans GPUs other than sm_90 take (the Triton-operations "
-                         "decode, no Gluon, no mma.sync GEMV), to time them where no such GPU is at hand")
+                    help="prepare with ptx=False: the Triton-operations decode in every kernel, no Gluon GEMMs, no "
+                         "mma.sync GEMV (what any GPU runs for a checkpoint whose scale bytes leave [2, 252])")
+    ap.add_argument("--as-sm", type=int, default=None, metavar="CC",
+                    help="plan as a GPU of compute capability CC would (89: an L40 or RTX 4090, 80: an A100, 120: "
+                         "an RTX 5090 on backend='triton'), on this GPU standing in for it (see stand_in)")
     ap.add_argument("--variant", default=None,
                     help="a module under benchmarks/ (say experiments.<name>) with stage kernels under evaluation: "
                          "timed in the package's place (see load_variant)")
@@ -830,6 +849,8 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
 
+    if stand_in(args) is not None:
+        log(f"standing in for sm_{args.as_sm}: the plans make that GPU's choices, the kernels compile for this one")
     if args.gemv_compare:
         print("\n" + gemv_compare(args, log), flush=True)
         return

@@ -188,7 +188,8 @@ def main(argv=None):
     ap.add_argument("--pdl", action="store_true",
                     help="as programmatic dependent launches (plan.pdl_status; sm_90 and newer)")
     ap.add_argument("--gluon", action="store_true",
-                    help="the Gluon forms an sm_90 prepare takes (plan.with_gluon), with their edge launches (sm_90 only)")
+                    help="the Gluon kernels a prepare on that GPU takes (plan.with_gluon): the GEMMs with their edge "
+                         "launches on sm_90, the GEMV on mma.sync on sm_80 and newer")
     args = ap.parse_args(argv)
 
     gemv = {"auto": None, "on": True, "off": False}[args.gemv]
@@ -247,12 +248,15 @@ def geometry_plans(geo, arch: int, gemv=None, pdl: bool = False, gluon: bool = F
     """Dry plans of benchmark geometry ``geo`` with the choices a prepare on an ``arch`` GPU makes for a
     checkpoint of usual scales (bytes in [2, 128]): the folded inline-PTX decode on sm_90, Triton
     operations elsewhere (``plan.ptx_status``); ``pdl`` and ``gluon`` as asked, where that GPU takes them
-    (``plan.pdl_status``: sm_90 and newer; ``plan.gluon_status``: sm_90)."""
+    (``plan.pdl_status``: sm_90 and newer; ``plan.gluon_status``: sm_90; the GEMV on mma.sync with its
+    folded asm, ``plan.gemv_mma_status``: sm_80 and newer)."""
     ptx = P._ptx_decision((arch // 10, arch % 10), True, None)[0]
     gp = P.GeometryPlans(_geometry(geo), True, gemv, ptx=ptx, dry=True, fold=ptx, pdl=pdl and arch >= 90)
     gp.ptx = gp.fold = ptx  # (the constructor's choice is this machine's: off under TRITON_INTERPRET=1)
     gp.dot_dtype = triton.language.bfloat16  # (the constructor's is fp32 under TRITON_INTERPRET=1)
     gp.gluon = gluon and arch == 90
+    gp.mma = gp.mma_fold = gluon and (arch // 10, arch % 10) >= P.GEMV_MMA_MIN_CAPABILITY
+    gp.mma_pdl = gp.pdl  # (``plan.gemv_mma_pdl``: as the other launches')
     return gp
 
 

@@ -129,6 +129,29 @@ def test_bench_ptx_off_prepares_the_other_gpus_plans_and_says_so(monkeypatch):
     assert B.command_line(on) == "python benchmarks/bench_moe.py --no-tune"
 
 
+def test_bench_as_sm_plans_as_that_gpu_and_says_so(monkeypatch):
+    """``bench_moe.py --as-sm CC`` makes the Triton plans answer CC for every CUDA device (and still None
+    for the CPU), so a GPU stands in for another in timing; its table's command says so; without it nothing
+    changes."""
+    import torch
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe as B
+    from b12x_ops.backends.triton import plan as P
+
+    ap = B.build_parser()
+    args = ap.parse_args(["--no-tune", "--as-sm", "89"])
+    assert B.command_line(args) == "python benchmarks/bench_moe.py --no-tune --as-sm 89"
+    assert B.stand_in(ap.parse_args(["--no-tune"])) is None
+    monkeypatch.setattr(P, "_capability", lambda device: (9, 0) if torch.device(device).type == "cuda" else None)
+    real = B.stand_in(args)
+    try:
+        assert P._capability("cuda") == (8, 9) and P._capability("cuda:1") == (8, 9) and P._capability("cpu") is None
+        assert real("cuda") == (9, 0)
+    finally:
+        P._capability = real
+
+
 def test_bench_markdown_says_which_eager_calls_were_chained(tmp_path, monkeypatch):
     """The benchmark's table names the token counts whose eager calls launched by one C call
     (``backends/triton/chain.py``), from each point's ``eager_chained``, and says nothing where none did."""

@@ -83,9 +83,15 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
            else "off: needs an sm_90 CUDA device (got cpu)" if GK.HAS_GLUON
            else "off: this triton has no Gluon with Hopper's wgmma")
     assert _field(info, gluon).group(1) == why
-    # the GEMV on mma.sync: where the Gluon GEMMs run, and the line says why not here
+    # the GEMV on mma.sync: on by default on sm_80 and newer (not here, and the line says why); off when asked
     mma = r"^triton GEMV on mma.sync: (.*)$"
-    assert _field(info, mma).group(1) == f"off: it runs where the Gluon GEMMs do, and they are {why}"
+    from b12x_ops.backends.triton import gluon_gemv as GG
+
+    assert _field(_cli("info", "--device", "cpu").stdout, mma).group(1) == "off (B12X_OPS_TRITON_GLUON=0)"
+    why = ("off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)" if os.environ.get("TRITON_INTERPRET") == "1"
+           else "off: needs a CUDA device (got cpu)" if GG.HAS_GLUON_MMA
+           else "off: this triton has no Gluon with mma_v2")
+    assert _field(info, mma).group(1) == why
     # half tiles for part-empty blocks: on by default (from 64-row blocks), off when asked
     half = r"^triton half tiles for part-empty blocks: (.*)$"
     assert _field(info, half).group(1).startswith("on: in plans of 64-row blocks or more, a block holding at most half")

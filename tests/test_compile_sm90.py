@@ -336,7 +336,7 @@ def test_gluon_kernels_load_scale_bytes_in_pairs_where_rows_have_an_even_count(o
     big = dataclasses.replace(P.default_config(8192, g), gluon=True, gluon2=True, **P.GLUON_GEMM1,
                               **P.GLUON_GEMM2)
     launches = [(f"gemm{w}", gp.stages(big, 8192)[w]) for w in (1, 2)]
-    gp.gluon = True
+    gp.gluon = gp.mma = gp.mma_fold = True  # (as an sm_90 prepare sets them)
     gemv = gp.with_gluon(P.default_config(1, g), 1)
     assert gemv.mma, gemv
     launches += [(f"gemv{w}", gp.stages(gemv, 1)[w]) for w in (1, 2)]
@@ -415,7 +415,7 @@ def test_mma_gemv_compiles_with_its_weights_loaded_before_the_wait(offline, name
     geo = GEOMETRIES.get(name, dict(E=5, K=160, N=96, top_k=3, limit=3.0))
     g = offline._geometry(geo)
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
-    gp.ptx = gp.fold = True
+    gp.ptx = gp.fold = gp.mma = gp.mma_fold = True
     gp.mma_pdl = True
     forms = [(1, (2, 4), 0), (2, (4, 4), 0), (1, (4, 2), 0), (1, (6, 5), 2)]
     forms += [(M, P.gemv_mma_form(M, g), P.GEMV_MMA_WINDOW) for M in range(1, P.GEMV_MMA_MAX_TOKENS + 1)

@@ -299,6 +299,55 @@ def test_gpu_cuda_graph_capture_replays_new_inputs():
         assert rel_l2(out, want) <= 1e-2
 
 
+@pytest.mark.parametrize("cc", [(8, 9), (12, 0)])
+def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, monkeypatch):
+    """The launches a prepare on an sm_89 GPU (no programmatic dependent launch) or an sm_120 one forced onto
+    ``backend="triton"`` (with it) takes, run on this GPU standing in (``plan._capability`` answers ``cc``, as
+    ``bench_moe.py --as-sm``): the GEMV on mma.sync with the asm decode at every token count it serves, the
+    tl.dot kernels with the Triton-operations decode, no Gluon GEMMs. Against the reference at 1-8 tokens and
+    two blocked counts, eager (three launches: no one-launch form off sm_90) and captured in a CUDA graph
+    replaying new inputs, with the same bits either way. The kernels compile for this GPU, so its large
+    tl.dot tiles may lower to wgmma where that GPU gets MMA v2 (``tests/test_compile_off_hopper.py`` compiles
+    them for it)."""
+    from b12x_ops.backends.triton import plan as P
+
+    real = P._capability
+    monkeypatch.setattr(P, "_capability", lambda device: None if real(device) is None else cc)
+    if not P.gemv_mma_status(torch.device("cuda"))[0]:
+        pytest.skip(P.gemv_mma_status(torch.device("cuda"))[1])
+    for name in ("qwen3-30b-a3b", "odd-ep"):
+        layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+        ref = layer.prepare(backend="reference")
+        h = layer.prepare(backend="triton", tune=False, max_tokens=64, decode_token_counts=tuple(range(1, 9)))
+        gp = h._state.plans
+        top_k = gp.geometry.top_k
+        assert gp.mma and not gp.ptx and not gp.gluon and gp.mma_pdl == (cc >= (9, 0) and P.K_.HAS_GDC), name
+        assert not gp.eager_runners  # (no one-launch GEMV off sm_90, and the blocked plans have none)
+        for M in (1, 2, 3, 4, 5, 6, 7, 8, 13, 64):
+            cap, cfg = gp.plan_for(M)
+            serves = M <= P.GEMV_MMA_MAX_TOKENS and M * top_k <= P.GEMV_MMA_MAX_SLOTS
+            assert cfg.gemv == cfg.mma == serves and not (cfg.gluon or cfg.gluon2), (name, M, cfg)
+            x, ids, w = make_batch(layer, M, seed=70 + M, device="cuda", padding_rows=min(1, M // 4))
+            want = b12x_ops.moe_w4a8(x, ids, w, ref)
+            out = torch.empty_like(x)
+            b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+            assert rel_l2(out, want) <= 1e-2, (name, cc, M, rel_l2(out, want))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+            x2, ids2, w2 = make_batch(layer, M, seed=170 + M, device="cuda", padding_rows=min(1, M // 4))
+            x.copy_(x2)
+            ids.copy_(ids2)
+            w.copy_(w2)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert rel_l2(out, b12x_ops.moe_w4a8(x2, ids2, w2, ref)) <= 1e-2, (name, cc, M)
+            if M <= 8 or gp.geometry.deterministic:
+                assert torch.equal(out, b12x_ops.moe_w4a8(x2, ids2, w2, h)), (name, cc, M)  # (eager: the same bits)
+
+
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b"])
 def test_gpu_gemv_path_serves_up_to_eight_tokens_eager_and_captured(name):
     """Where the GEMV runs on mma.sync, untuned plans of 5-8 tokens take the GEMV path up to 48 slots
@@ -309,8 +358,8 @@ def test_gpu_gemv_path_serves_up_to_eight_tokens_eager_and_captured(name):
 
     layer, h, ref = _layer(name)
     gp = h._state.plans
-    if not gp.gluon:
-        pytest.skip("the GEMV path serves 5-8 tokens where it runs on mma.sync (sm_90, triton's Gluon)")
+    if not gp.mma:
+        pytest.skip(f"the GEMV path serves 5-8 tokens where it runs on mma.sync: {P.gemv_mma_status('cuda')[1]}")
     for M in (5, 6, 7, 8):
         cap, cfg = gp.plan_for(M)
         want = cap * gp.geometry.top_k <= P.GEMV_MMA_MAX_SLOTS == 48 and cap <= P.GEMV_MMA_MAX_TOKENS == 8
@@ -562,14 +611,14 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     from b12x_ops.backends.triton import _launch_all
     from b12x_ops.backends.triton import plan as P
 
-    if not P.gluon_status(torch.device("cuda"))[0]:
-        pytest.skip("the mma.sync GEMV runs where the Gluon GEMMs do (sm_90, triton's Gluon)")
+    if not P.gemv_mma_status(torch.device("cuda"))[0]:
+        pytest.skip(f"the mma.sync GEMV does not run here: {P.gemv_mma_status(torch.device('cuda'))[1]}")
     layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
     ref = layer.prepare(backend="reference")
     h = layer.prepare(backend="triton", tune=False, gemv=True, max_tokens=4, deterministic=True, frozen=False)
     st = h._state
     g = st.plans.geometry
-    assert st.plans.mma_pdl and all(c.mma for M, c in st.plans.configs.items() if M <= P.GEMV_MMA_MAX_TOKENS)
+    assert st.plans.mma and all(c.mma for M, c in st.plans.configs.items() if M <= P.GEMV_MMA_MAX_TOKENS)
     forms = [(2, 4, 0), (4, 6, 0), (1, 1, 0), (4, 6, 3), (3, 4, 1)]
     for M in range(1, P.GEMV_MMA_MAX_TOKENS + 1):  # (the untuned plans')
         if P.gemv_mma_form(M, g) + (P.GEMV_MMA_WINDOW,) not in forms:

@@ -152,7 +152,7 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
                                                       "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)")
     monkeypatch.setenv("B12X_OPS_TRITON_GLUON", "0")
     assert P.gluon_status(torch.device("cpu")) == (False, "off (B12X_OPS_TRITON_GLUON=0)")
-    gp.gluon = True  # (as an sm_90 prepare sets it)
+    gp.gluon = gp.mma = True  # (as an sm_90 prepare sets them)
     seen = set()
     for tokens in (1, 4, 16, 64, 512, 2048, 8192):
         cfg = P.default_config(tokens, g)
@@ -207,7 +207,7 @@ def test_the_accumulator_is_zeroed_once_by_gluon_gemm1_or_the_prologue(name, mon
 
     g = geometry(*GEOS[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
-    gp.gluon = True  # (as an sm_90 prepare sets it)
+    gp.gluon = gp.mma = True  # (as an sm_90 prepare sets them)
     monkeypatch.delenv("B12X_OPS_TRITON_ACC_ZERO", raising=False)
     seen = set()
     for tokens in (1, 16, 512, 2048, 8192):
@@ -348,7 +348,7 @@ def test_gemv_path_serves_up_to_eight_tokens_where_it_runs_on_mma_sync(name):
     assert (P.GEMV_MAX_SLOTS, P.GEMV_MAX_TOKENS, P.GEMV_MMA_MAX_SLOTS, P.GEMV_MMA_MAX_TOKENS) == (32, 4, 48, 8)
     for tokens in range(1, 13):
         for gluon, slots, most in ((False, 32, 4), (True, 48, 8)):
-            gp.gluon = gluon
+            gp.gluon = gp.mma = gluon
             cfg = gp.default(tokens)
             want = tokens * g.top_k <= slots and tokens <= most
             assert cfg.gemv == want == P.use_gemv(tokens, g, mma=gluon), (tokens, gluon)
@@ -362,7 +362,7 @@ def test_gemv_path_serves_up_to_eight_tokens_where_it_runs_on_mma_sync(name):
     # the benchmark's geometries: the top token count on the GEMV path, without and with mma.sync
     want = {"gpt-oss-120b": (4, 8), "dsv4.1-tp4": (4, 8), "qwen3-30b-a3b": (4, 6), "small": (4, 8)}[name]
     for gluon, top in zip((False, True), want):
-        gp.gluon = gluon
+        gp.gluon = gp.mma = gluon
         assert gp.default(top).gemv and not gp.default(top + 1).gemv, (gluon, top)
 
 
@@ -384,9 +384,9 @@ def test_gemv_on_mma_sync_takes_every_token_count_of_the_gemv_path(name):
         want = tokens <= P.GEMV_MMA_MAX_TOKENS == 8
         form = P.gemv_mma_form(tokens, g)
         assert (form is not None) == want, (tokens, form)
-        gp.gluon = False
+        gp.mma = False
         assert gp.with_gluon(cfg, tokens) == cfg
-        gp.gluon = True
+        gp.mma = True
         got = gp.with_gluon(cfg, tokens)
         assert got.mma == want and gp.with_gluon(cfg) == cfg  # (no token count: unchanged)
         if not want:
@@ -468,7 +468,7 @@ def test_untuned_plans_take_the_gluon_gemm1_and_tuned_ones_keep_their_choice(tmp
 
     g = geometry(*GEOS["gpt-oss-120b"])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
-    gp.gluon = True  # (as an sm_90 prepare sets it)
+    gp.gluon = gp.mma = True  # (as an sm_90 prepare sets them)
     state = types.SimpleNamespace(plans=gp)
     chosen = TB._choose_configs(state, [1, 64, 8192], tune=False, cache_dir_opt=str(tmp_path))
     assert chosen[8192] == gp.with_gluon(P.default_config(8192, g)) and chosen[8192].gluon
@@ -598,6 +598,65 @@ def test_tl_dot_tiles_the_ptx_decode_sums_wrong_are_refused(name):
         assert plain.launch(kind, dataclasses.replace(cfg, **change), 64).num_warps in (2, 4, 8)
     for warps in (4, 8):  # (256 columns: the GPU tests' reference for the Gluon GEMM2 of that width)
         assert gp.launch("gemm2", dataclasses.replace(blocked, bn2=256, warps2=warps), 64).num_warps == warps
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1), (7, 5), None])
+def test_gemv_runs_on_mma_sync_from_sm80_and_only_its_launches_take_the_asm_off_hopper(monkeypatch, cc):
+    """The GEMV on mma.sync (``gemv_mma_status``) lays out its own operands, so it runs with the asm decode
+    on every GPU from sm_80 on, where the tl.dot kernels' PTX decode is sm_90's alone (``ptx_status``):
+    off with ``ptx=False``, other scale bytes, ``B12X_OPS_TRITON_GLUON=0`` or no CUDA device, each with its
+    reason. A prepare's untuned plans there take it for every token count the GEMV path serves (up to
+    ``GEMV_MMA_MAX_TOKENS`` and ``GEMV_MMA_MAX_SLOTS``), its launches with the folded asm, while the
+    blocked tl.dot GEMMs keep the Triton-operations decode off sm_90; the tuner times it; its plans have
+    a one-launch eager form on sm_90 only (where the tl.dot GEMV's bits were shown the same); and the
+    tuning cache tells the two apart."""
+    monkeypatch.setattr(P, "INTERPRET", False)
+    monkeypatch.setattr(P.GG, "HAS_GLUON_MMA", True)
+    monkeypatch.setattr(P, "_capability", lambda device: cc)
+    monkeypatch.delenv("B12X_OPS_TRITON_GLUON", raising=False)
+    monkeypatch.delenv("B12X_OPS_TRITON_PDL", raising=False)
+    want = cc is not None and cc >= (8, 0)
+    on, why = P.gemv_mma_status("cuda")
+    assert on is want, why
+    if want:
+        assert why.startswith("on: untuned plans of up to 8 tokens run gemv1 and gemv2 on mma.sync in Gluon, decoding "
+                              "with the inline-PTX asm"), why
+        pdl = cc[0] >= 9 and P.K_.HAS_GDC
+        assert (" with programmatic dependent launch" in why) == pdl, why
+        assert P.gemv_mma_status("cuda", ptx=False) == (False, "off (ptx=False): its decode is the inline-PTX asm")
+        assert P.gemv_mma_status("cuda", fast_scales=False) == (
+            False, "off: scale bytes outside [2, 252] (its decode is the inline-PTX asm)")
+        monkeypatch.setenv("B12X_OPS_TRITON_GLUON", "0")
+        assert P.gemv_mma_status("cuda") == (False, "off (B12X_OPS_TRITON_GLUON=0)")
+        monkeypatch.delenv("B12X_OPS_TRITON_GLUON")
+    elif cc is None:
+        assert why == "off: needs a CUDA device (got cuda)"
+    else:
+        assert why == "off: needs sm_80 or newer (got sm_75)"
+    if cc is None or not want:
+        return
+    sm90 = cc == P.PTX_CAPABILITY
+    g = geometry(*GEOS["dsv4.1-tp4"])
+    gp = P.GeometryPlans(g, True, None, fold=True)  # (as a prepare on that GPU: a CPU geometry stands in)
+    assert (gp.mma, gp.mma_fold, gp.ptx, gp.fold) == (True, True, sm90, sm90)
+    assert not gp.ptx or P.ptx_status("cuda")[0]
+    assert not P.GeometryPlans(g, True, None, ptx=False).mma and not P.GeometryPlans(g, False, None).mma
+    for tokens in range(1, P.GEMV_MMA_MAX_TOKENS + 2):
+        cfg = gp.default(tokens)
+        serves = tokens <= P.GEMV_MMA_MAX_TOKENS and tokens * g.top_k <= P.GEMV_MMA_MAX_SLOTS
+        assert cfg.gemv == cfg.mma == serves, (tokens, cfg)
+        assert any(c.mma for c in P.candidate_configs(tokens, g, None, gp.gluon, gp.mma)) == serves
+        for kind, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, tokens)):
+            if ln is None:
+                continue
+            if cfg.mma and kind != "prologue":
+                assert ln.fn.__name__ == f"gemv{kind[-1]}_mma_kernel" and ln.constexprs["FOLD"], (tokens, kind)
+            elif kind.startswith("gemm") and not (cfg.gluon or cfg.gluon2):  # (tl.dot: the decode by ptx_status)
+                assert ln.constexprs["PTX"] is sm90 and ln.constexprs["FOLD"] is sm90, (tokens, kind)
+    gp.add(1, gp.default(1))
+    assert (1 in gp.eager_runners) is sm90
+    key = (g, "/tmp", None, gp.ptx, gp.gluon)
+    assert P.cache_path(*key, mma=True) != P.cache_path(*key, mma=False)
 
 
 @pytest.mark.parametrize("cc, on", [((9, 0), True), ((8, 0), False), ((8, 6), False), ((8, 9), False),

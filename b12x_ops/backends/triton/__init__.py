@@ -15,8 +15,10 @@ Options (``prepare_experts(..., backend="triton", **options)``):
 * ``ptx`` (bool or None, default None): on sm_90 the kernels decode MXFP4 with inline PTX
   (``mxtl.decode_repacked``) when the checkpoint's scale bytes allow it (in [2, 252]; in [2, 128],
   the usual case, its cheaper one-fma form); ``False`` uses the Triton-ops decode (a benchmark and
-  debugging switch), which other GPUs always take (``plan.ptx_status``: the asm's register order is
-  the wgmma operand's); ``True`` on another GPU is refused.
+  debugging switch), which other GPUs' tl.dot kernels always take (``plan.ptx_status``: the asm's
+  register order is the wgmma operand's); ``True`` on another GPU is refused. The mma.sync GEMV
+  (``gluon_gemv``, sm_80 and newer: ``plan.gemv_mma_status``) lays out its own operands and decodes
+  with the asm on every such GPU, under the same scale bytes, unless ``ptx`` is ``False``.
 * ``frozen`` (bool, default True): after prepare, a call that would need a kernel not compiled at
   prepare raises instead of compiling (by construction every planned count is compiled).
 
@@ -222,7 +224,8 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     mode = state.plans.gemv
     if not tune:
         return {c: state.plans.default(c) for c in caps}
-    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx, state.plans.gluon)
+    path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx, state.plans.gluon,
+                        state.plans.mma)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -290,7 +293,7 @@ def _tune_one(state, cap):
     g = gp.geometry
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
-    cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon)
+    cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon, gp.mma)
     flush = _l2_flush_buffer(g.device)
     best = None
     for bm, gemv, mma in sorted({(c.bm, c.gemv, c.mma) for c in cands}):

@@ -739,15 +739,43 @@ def mma_config(cfg: "Config", geometry, q1: int, q2: int, window: int = GEMV_MMA
                                split2=g.top_k * -(-nq2 // q2), window=window)
 
 
-def gemv_mma_status(device, ptx: bool = True) -> str:
-    """Whether GEMV plans on ``device`` run on mma.sync, and why (``b12x-ops info``)."""
-    on, why = gluon_status(device, ptx)
-    if not on:
-        return f"off: it runs where the Gluon GEMMs do, and they are {why}"
-    pdl = "with" if gemv_mma_pdl(device) else "without"
-    return (f"on: untuned plans of up to {GEMV_MMA_MAX_TOKENS} tokens run gemv1 and gemv2 on mma.sync "
-            f"in Gluon, {GEMV_MMA_WINDOW} chunks' loads in flight a program, {pdl} programmatic dependent launch "
-            "(B12X_OPS_TRITON_GLUON=0 turns it off with the Gluon GEMMs)")
+# The mma.sync GEMV lays its operands out itself: the decode's asm writes the m16n8k16 A fragments in
+# place, and ``convert_layout(..., assert_trivial=True)`` fails the compile unless they are where the MMA
+# reads them, on any target. mma.sync and every instruction of the asm (``fma.rn.bf16x2`` the newest) exist
+# from sm_80 on, so unlike the tl.dot kernels' PTX decode (``PTX_CAPABILITY``, whose operand order is
+# triton's choice) it runs on every GPU the backend takes: compiled offline for sm_80, sm_89 and sm_120
+# with no spills (``tests/test_compile_off_hopper.py``).
+GEMV_MMA_MIN_CAPABILITY = (8, 0)
+
+
+def gemv_mma_status(device, ptx=None, fast_scales: bool = True) -> tuple[bool, str]:
+    """Whether GEMV plans on ``device`` run on mma.sync, and why (``b12x-ops info``; prepare's ``ptx``
+    option ``ptx``, the checkpoint's scale bytes in [2, 252] where ``fast_scales``)."""
+    cc = _capability(device)
+    return _gemv_mma_decision(cc, fast_scales, ptx, device, cc is not None and gemv_mma_pdl(device))
+
+
+def _gemv_mma_decision(cc, fast_scales: bool, ptx, device=None, pdl: bool = False) -> tuple[bool, str]:
+    """``gemv_mma_status`` for compute capability ``cc`` (None: no CUDA device; ``pdl``: its launches are
+    programmatic dependent launches)."""
+    if os.environ.get("B12X_OPS_TRITON_GLUON", "1") != "1":
+        return False, "off (B12X_OPS_TRITON_GLUON=0)"
+    if INTERPRET:
+        return False, "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
+    if not GG.HAS_GLUON_MMA:
+        return False, "off: this triton has no Gluon with mma_v2"
+    if cc is None:
+        return False, f"off: needs a CUDA device (got {device})"
+    if cc < GEMV_MMA_MIN_CAPABILITY:
+        return False, f"off: needs sm_80 or newer (got sm_{cc[0]}{cc[1]})"
+    if ptx is False:
+        return False, "off (ptx=False): its decode is the inline-PTX asm"
+    if not fast_scales:
+        return False, "off: scale bytes outside [2, 252] (its decode is the inline-PTX asm)"
+    return True, (f"on: untuned plans of up to {GEMV_MMA_MAX_TOKENS} tokens run gemv1 and gemv2 on mma.sync "
+                  f"in Gluon, decoding with the inline-PTX asm, {GEMV_MMA_WINDOW} chunks' loads in flight a program, "
+                  f"{'with' if pdl else 'without'} programmatic dependent launch (B12X_OPS_TRITON_GLUON=0 or "
+                  "ptx=False turns it off)")
 
 
 def gemv_mma_pdl(device) -> bool:
@@ -836,13 +864,15 @@ def default_config(tokens: int, geometry, gemv=None, mma: bool = False) -> Confi
     return Config(bm, *g1, *g2, _atomic(tokens, geometry))
 
 
-def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> list[Config]:
+def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False, mma: bool | None = None) -> list[Config]:
     """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately):
-    the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced, and
-    with ``gluon`` (a GPU that runs them: ``gluon_status``) the Gluon GEMMs at blocks of at least
-    ``GLUON_TUNE_MIN_BM`` rows."""
+    the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced, with
+    ``gluon`` (a GPU that runs them: ``gluon_status``) the Gluon GEMMs at blocks of at least
+    ``GLUON_TUNE_MIN_BM`` rows, and with ``mma`` (``gemv_mma_status``; None: as ``gluon``, sm_90's
+    answer) the GEMV on mma.sync."""
+    mma = gluon if mma is None else mma
     out = []
-    if gemv is True or (gemv is None and use_gemv(tokens, geometry, mma=gluon)):
+    if gemv is True or (gemv is None and use_gemv(tokens, geometry, mma=mma)):
         t1, t2 = gemv_candidates(geometry)
         t1 += [c + (True,) for c in t1]  # (each with x quantized by a launch of its own, too)
         d = gemv_config(tokens, geometry)  # (the default among them)
@@ -851,7 +881,7 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False) -> 
         for g1 in t1:
             for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
-        if gluon:  # (sm_90: the GEMV on mma.sync, a few chunk counts, a slot's whole row among them)
+        if mma:  # (the GEMV on mma.sync, a few chunk counts, a slot's whole row among them)
             out += [mma_config(d, geometry, q1, q2) for q1 in mma_q1_candidates(tokens, geometry)
                     for q2 in mma_q2_candidates(geometry)]
     if gemv is True:
@@ -1108,6 +1138,9 @@ class GeometryPlans:
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
         self.pdl = pdl_status(g.device)[0] if pdl is None else bool(pdl)
         self.gluon = False if dry else gluon_status(g.device, self.ptx)[0]  # (GLUON_GEMM1)
+        # the GEMV on mma.sync (``gemv_mma_status``: sm_80 and newer; its asm folds as the PTX decode does)
+        self.mma = False if dry else _gemv_mma_decision(_capability(g.device), fast_scales, ptx)[0]
+        self.mma_fold = bool(fold and self.mma)
         self.mma_pdl = gemv_mma_pdl(g.device)  # (the mma.sync GEMV's launches)
 
     # ---- per call
@@ -1245,7 +1278,7 @@ class GeometryPlans:
                     p["warps"], 1)
         elif cfg.gemv and cfg.mma:  # (gluon_gemv: the constexprs, then the layouts)
             self._check_mma(cfg)
-            gm = dict(common, N=g.intermediate_size, E=g.num_experts, HAS_GS=g.has_global_scales, FOLD=self.fold)
+            gm = dict(common, N=g.intermediate_size, E=g.num_experts, HAS_GS=g.has_global_scales, FOLD=self.mma_fold)
             if kind == "gemm1":
                 ln = Launch(GG.gemv1_mma_kernel, dict(gm, UP_FIRST=g.w13_layout == "w13",
                                                       HAS_LIMIT=g.swiglu_limit is not None, BN=cfg.bn1,
@@ -1337,7 +1370,7 @@ class GeometryPlans:
         g = self.geometry
         nq1, nq2 = mma_chunks(g)
         q1, q2 = cfg.bk1 // 64, cfg.bk2 // 64
-        ok = (self.ptx and GG.HAS_GLUON_MMA and cfg.xq and not cfg.fused and cfg.bn1 % 32 == 0 and cfg.bn2 % 16 == 0
+        ok = (self.mma and GG.HAS_GLUON_MMA and cfg.xq and not cfg.fused and cfg.bn1 % 32 == 0 and cfg.bn2 % 16 == 0
               and cfg.bk1 % 64 == 0 and cfg.bk2 % 64 == 0 and q1 >= 1 and q2 >= 1
               and cfg.split1 == -(-nq1 // q1) and cfg.split2 == g.top_k * -(-nq2 // q2))
         if not ok:
@@ -1397,7 +1430,7 @@ class GeometryPlans:
         """The untuned plan of ``tokens`` tokens on this GPU: ``default_config`` (the GEMV path up to
         ``GEMV_MMA_MAX_SLOTS`` slots and ``GEMV_MMA_MAX_TOKENS`` tokens where it runs on mma.sync) in
         ``with_gluon``'s forms."""
-        return self.with_gluon(default_config(tokens, self.geometry, self.gemv, mma=self.gluon), tokens)
+        return self.with_gluon(default_config(tokens, self.geometry, self.gemv, mma=self.mma), tokens)
 
     def with_gluon(self, cfg: Config, tokens: int | None = None) -> Config:
         """``cfg`` with its GEMMs in Gluon where this GPU takes them, in the forms of its block size
@@ -1405,7 +1438,7 @@ class GeometryPlans:
         so: what an untuned plan runs (a tuned one runs what the tuner timed fastest,
         ``candidate_configs(..., gluon=True)``)."""
         if cfg.gemv:
-            form = None if not self.gluon or tokens is None or cfg.mma or cfg.fused else gemv_mma_form(
+            form = None if not self.mma or tokens is None or cfg.mma or cfg.fused else gemv_mma_form(
                 tokens, self.geometry)
             return cfg if form is None else mma_config(cfg, self.geometry, *form)
         if not self.gluon or cfg.gluon or cfg.gluon2:
@@ -1424,7 +1457,9 @@ class GeometryPlans:
                         for m in range(self.caps[-1] + 1)]
         self.reserve(cap, cfg)
         self.runners[cap] = self.runner(cfg, cap)
-        eager = eager_form(cfg, self.geometry)
+        # (off sm_90 an mma.sync plan has no one-launch eager form: its tl.dot kernels run on MMA v2 with
+        # their K elements in another register order, so that they add the same bits is not shown there)
+        eager = eager_form(cfg, self.geometry) if self.ptx or not cfg.mma else None
         if eager is not None:
             self.reserve(cap, eager)
             self.eager_runners[cap] = self.runner(eager, cap)
@@ -1441,11 +1476,12 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False) -> str:
+def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False, mma=None) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
                       g.has_global_scales, g.deterministic, dev, triton.__version__, 24, gemv, ptx, gluon,
+                      gluon if mma is None else mma,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0,
                       _quarter_min_bm()])
     # (the version: 24 the Gluon GEMMs' epilogues write 16 bytes a store or atomic (whole calls'
