@@ -129,6 +129,7 @@ def test_chain_passes_what_the_launches_pass(chain_mod, offline, name, tokens, m
     g = offline._geometry(GEOMETRIES[name])
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True, pdl=pdl)
     gp.ptx, gp.fold, gp.dot_dtype, gp.mma_pdl = True, True, triton.language.bfloat16, pdl
+    gp.mma = gp.mma_fold = True  # (as an sm_90 prepare sets them)
     cfg = P.default_config(tokens, g, gemv=True)
     if mma:
         cfg = P.mma_config(cfg, g, *P.gemv_mma_form(tokens, g))
