@@ -744,7 +744,7 @@ def mma_config(cfg: "Config", geometry, q1: int, q2: int, window: int = GEMV_MMA
 # reads them, on any target. mma.sync and every instruction of the asm (``fma.rn.bf16x2`` the newest) exist
 # from sm_80 on, so unlike the tl.dot kernels' PTX decode (``PTX_CAPABILITY``, whose operand order is
 # triton's choice) it runs on every GPU the backend takes: compiled offline for sm_80, sm_89 and sm_120
-# with no spills (``tests/test_compile_off_hopper.py``).
+# (``tests/test_compile_off_hopper.py``), with no local memory (``benchmarks/results/gemv_mma_off_hopper_offline.md``).
 GEMV_MMA_MIN_CAPABILITY = (8, 0)
 
 
