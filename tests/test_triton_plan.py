@@ -600,6 +600,69 @@ def test_tl_dot_tiles_the_ptx_decode_sums_wrong_are_refused(name):
         assert gp.launch("gemm2", dataclasses.replace(blocked, bn2=256, warps2=warps), 64).num_warps == warps
 
 
+@pytest.mark.parametrize("name", list(GEOS))
+def test_tuner_times_the_mma_sync_gemv_wider_where_the_blocked_path_decodes_with_triton_operations(name):
+    """Off sm_90 (the tl.dot GEMMs decode with Triton operations, ``dot_ptx`` False) the tuner also times the
+    GEMV on mma.sync above the untuned plans' bound, up to ``GEMV_MMA_TUNE_MAX_TOKENS`` tokens and
+    ``GEMV_MMA_TUNE_MAX_SLOTS`` slots, beside the blocked tiles (which it keeps); every such candidate is one the
+    plans can launch (``_check_mma``), its gemv1 runs the untuned form's or 4 chunks, its loads in flight the
+    window. Not on sm_90, not without the mma.sync GEMV, not with the path forced either way."""
+    g = geometry(*GEOS[name])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.mma = gp.mma_fold = True
+    assert (P.GEMV_MMA_TUNE_MAX_TOKENS, P.GEMV_MMA_TUNE_MAX_SLOTS) == (32, 192)
+    wide_seen = 0
+    for tokens in (1, 6, 8, 9, 12, 16, 24, 32, 33, 48, 64):
+        plain = P.candidate_configs(tokens, g, None, False, True)  # (sm_90's answer for this count)
+        cands = P.candidate_configs(tokens, g, None, False, True, dot_ptx=False)
+        slots = tokens * g.top_k
+        wide = (not P.use_gemv(tokens, g, mma=True) and tokens <= 32 and slots <= 192)
+        assert P.tunes_wide_gemv(tokens, g, True, False) == wide, tokens
+        assert not P.tunes_wide_gemv(tokens, g, True, True) and not P.tunes_wide_gemv(tokens, g, False, False)
+        extra = [c for c in cands if c not in plain]
+        assert [c for c in cands if c in plain] == plain  # (the blocked tiles, all kept)
+        if not wide:
+            assert not extra, tokens
+            continue
+        wide_seen += 1
+        assert extra and all(c.gemv and c.mma and c.window == P.GEMV_MMA_WINDOW for c in extra), tokens
+        form = P.gemv_mma_form(tokens, g, P.GEMV_MMA_TUNE_MAX_TOKENS)
+        assert {c.bk1 // 64 for c in extra} == {4, form[0]}
+        assert {c.bk2 // 64 for c in extra} == set(P.mma_q2_candidates(g))
+        for c in extra:
+            gp.reserve(tokens, c)
+            assert [ln.fn.__name__ for ln in gp.stages(c, tokens) if ln is not None] == [
+                "xquant_kernel", "gemv1_mma_kernel", "gemv2_mma_kernel"]
+        for forced in (True, False):
+            assert not [c for c in P.candidate_configs(tokens, g, forced, False, True, dot_ptx=False) if c.mma] or forced
+    assert wide_seen >= {"qwen3-30b-a3b": 3, "dsv4.1-tp4": 4, "gpt-oss-120b": 5, "small": 5}[name]
+
+
+def test_tuner_keeps_the_window_of_the_mma_sync_gemv_it_picks(monkeypatch):
+    """The tuner's pick is the config it timed: an mma.sync GEMV keeps its loads in flight
+    (``Config.window``), which ``Config.of`` does not carry (the tuner's picks ran every load first before)."""
+    import types
+
+    from b12x_ops.backends import triton as TB
+
+    g = geometry(*GEOS["gpt-oss-120b"])
+    gp = P.GeometryPlans(g, True, None, ptx=True, dry=True, fold=True)
+    gp.mma = gp.mma_fold = True
+    cap = 2
+    x = torch.zeros(cap, g.hidden_size, dtype=torch.bfloat16)
+    monkeypatch.setattr(TB, "_synthetic_batch", lambda state, m, seed: (x, None, None))
+    monkeypatch.setattr(TB, "_l2_flush_buffer", lambda device: None)
+    timed = []
+    monkeypatch.setattr(TB, "_launch_all", lambda state, cfg, *args, stages=None: timed.append(cfg))
+    # (the mma.sync GEMV's launches are the fastest, everything else slower)
+    monkeypatch.setattr(TB, "_time_ms", lambda fn, flush, reps=15: (fn(), 1.0 if timed[-1].mma else 2.0)[1])
+    cands = P.candidate_configs(cap, g, None, False, True)
+    assert any(c.mma for c in cands)
+    best = TB._tune_one(types.SimpleNamespace(plans=gp), cap)
+    assert best.mma and best.window == P.GEMV_MMA_WINDOW, best
+    assert best in cands
+
+
 @pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1), (7, 5), None])
 def test_gemv_runs_on_mma_sync_from_sm80_and_only_its_launches_take_the_asm_off_hopper(monkeypatch, cc):
     """The GEMV on mma.sync (``gemv_mma_status``) lays out its own operands, so it runs with the asm decode

@@ -293,7 +293,7 @@ def _tune_one(state, cap):
     g = gp.geometry
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
-    cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon, gp.mma)
+    cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon, gp.mma, gp.ptx)
     flush = _l2_flush_buffer(g.device)
     best = None
     for bm, gemv, mma in sorted({(c.bm, c.gemv, c.mma) for c in cands}):
@@ -321,8 +321,9 @@ def _tune_one(state, cap):
         b2 = min(t2, key=t2.get)
         if math.isinf(t1[b1]) or math.isinf(t2[b2]):
             continue
+        # (the group's loads in flight a program, ``Config.window``: one for all its mma.sync candidates)
         pick = dataclasses.replace(P.Config.of(bm, b1[0], b2[0], group[0].atomic, gemv=gemv), gluon=b1[1],
-                                   gluon2=b2[1], mma=mma)
+                                   gluon2=b2[1], mma=mma, window=group[0].window)
         gp.reserve(cap, pick)
         total = _time_ms(lambda: _launch_all(state, pick, x, ids, w, out), flush)
         if best is None or total < best[0]:

@@ -700,11 +700,11 @@ def _mma_run(nq: int, programs_a_run: int, most: int, slots: int | None = None) 
                key=lambda q: (-(-programs_a_run * (nq // q) // slots) * (q + GEMV_MMA_WAVE_OVERHEAD), -q))
 
 
-def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
+def gemv_mma_form(tokens: int, geometry, most: int = GEMV_MMA_MAX_TOKENS) -> tuple[int, int] | None:
     """The mma.sync GEMV's chunks a program ``(gemv1, gemv2)`` for an untuned plan of ``tokens`` tokens,
-    or None where the tl.dot GEMV is the default."""
+    or None where the tl.dot GEMV is the default (above ``most`` tokens)."""
     g = geometry
-    if tokens > GEMV_MMA_MAX_TOKENS:
+    if tokens > most:
         return None
     nq1, nq2 = mma_chunks(g)
     bn2, warps2 = _mma_gemv2_tile(g)
@@ -714,11 +714,29 @@ def gemv_mma_form(tokens: int, geometry) -> tuple[int, int] | None:
             _mma_run(nq2, tokens * g.top_k * tiles2, GEMV_MMA_Q2_MAX, GEMV_MMA_PER_SM[1 if warps2 == 4 else 2] * sms))
 
 
-def mma_q1_candidates(tokens: int, geometry) -> list[int]:
-    """gemv1's chunks a program that the tuner times on mma.sync: 4 and the untuned plan's count (2 and 4
-    where no untuned plan of ``tokens`` tokens runs on mma.sync)."""
-    form = gemv_mma_form(tokens, geometry)
+def mma_q1_candidates(tokens: int, geometry, most: int = GEMV_MMA_MAX_TOKENS) -> list[int]:
+    """gemv1's chunks a program that the tuner times on mma.sync: 4 and the untuned form's count (2 and 4
+    above ``most`` tokens, where ``gemv_mma_form`` has none)."""
+    form = gemv_mma_form(tokens, geometry, most)
     return sorted({4, form[0]} if form else {2, 4})
+
+
+# Off sm_90 the blocked path's tl.dot GEMMs decode with Triton operations: on an H100 standing in for such a GPU
+# (``bench_moe.py --as-sm 89``, ``benchmarks/results/gemv_mma_off_hopper_h100.md``) they took 1.4-1.8x the
+# sm_90 plans' time, while the mma.sync GEMV took 1.06-1.22x, so the GEMV may win there above the bound
+# measured on sm_90 (``GEMV_MMA_MAX_TOKENS``, ``GEMV_MMA_MAX_SLOTS``). The untuned plans keep that bound; the
+# tuner also times the mma.sync GEMV up to GEMV_MMA_TUNE_MAX_TOKENS tokens and GEMV_MMA_TUNE_MAX_SLOTS slots
+# there, beside the blocked tiles, and keeps what is faster on the GPU at hand.
+GEMV_MMA_TUNE_MAX_TOKENS = 32
+GEMV_MMA_TUNE_MAX_SLOTS = 192
+
+
+def tunes_wide_gemv(tokens: int, geometry, mma: bool, dot_ptx: bool) -> bool:
+    """Whether the tuner times the mma.sync GEMV for ``tokens`` tokens above the untuned plans' bound: where it
+    runs (``mma``) and the blocked path's tl.dot GEMMs decode with Triton operations (not ``dot_ptx``), up to
+    ``GEMV_MMA_TUNE_MAX_TOKENS`` and ``GEMV_MMA_TUNE_MAX_SLOTS``."""
+    return (mma and not dot_ptx and not use_gemv(tokens, geometry, mma=True) and tokens <= GEMV_MMA_TUNE_MAX_TOKENS
+            and tokens * geometry.top_k <= GEMV_MMA_TUNE_MAX_SLOTS)
 
 
 def mma_q2_candidates(geometry) -> list[int]:
@@ -864,14 +882,20 @@ def default_config(tokens: int, geometry, gemv=None, mma: bool = False) -> Confi
     return Config(bm, *g1, *g2, _atomic(tokens, geometry))
 
 
-def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False, mma: bool | None = None) -> list[Config]:
+def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False, mma: bool | None = None,
+                      dot_ptx: bool = True) -> list[Config]:
     """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately):
     the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced, with
     ``gluon`` (a GPU that runs them: ``gluon_status``) the Gluon GEMMs at blocks of at least
     ``GLUON_TUNE_MIN_BM`` rows, and with ``mma`` (``gemv_mma_status``; None: as ``gluon``, sm_90's
-    answer) the GEMV on mma.sync."""
+    answer) the GEMV on mma.sync; where the tl.dot GEMMs decode with Triton operations (not
+    ``dot_ptx``), that GEMV up to a wider bound too (``tunes_wide_gemv``)."""
     mma = gluon if mma is None else mma
     out = []
+    if gemv is None and tunes_wide_gemv(tokens, geometry, mma, dot_ptx):
+        d = gemv_config(tokens, geometry)
+        out += [mma_config(d, geometry, q1, q2) for q1 in mma_q1_candidates(tokens, geometry, GEMV_MMA_TUNE_MAX_TOKENS)
+                for q2 in mma_q2_candidates(geometry)]
     if gemv is True or (gemv is None and use_gemv(tokens, geometry, mma=mma)):
         t1, t2 = gemv_candidates(geometry)
         t1 += [c + (True,) for c in t1]  # (each with x quantized by a launch of its own, too)
@@ -1480,11 +1504,12 @@ def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False, mma=
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 24, gemv, ptx, gluon,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 25, gemv, ptx, gluon,
                       gluon if mma is None else mma,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0,
                       _quarter_min_bm()])
-    # (the version: 24 the Gluon GEMMs' epilogues write 16 bytes a store or atomic (whole calls'
+    # (the version: 25 the tuner's mma.sync picks keep their loads in flight (``Config.window``; they had
+    # none), and off sm_90 it times that GEMV up to ``GEMV_MMA_TUNE_MAX_TOKENS``; 24 the Gluon GEMMs' epilogues write 16 bytes a store or atomic (whole calls'
     # timings change); 23 the prologue's placement spread over placing programs (whole calls' timings
     # change); 22 long reductions' block sizes by the regimes, so their candidates too; 21 the
     # register cap of the 64-row Gluon GEMMs; 20 the decode of 9 integer
