@@ -264,12 +264,20 @@ def gluon_forms(bm: int, geometry=None, tokens: int | None = None) -> tuple[dict
     return GLUON_GEMM1, GLUON_GEMM2
 
 
+def _gluon_switched_off() -> str | None:
+    """Why no Gluon kernel runs on any GPU (``B12X_OPS_TRITON_GLUON=0``, the interpreter), or None."""
+    if os.environ.get("B12X_OPS_TRITON_GLUON", "1") != "1":
+        return "off (B12X_OPS_TRITON_GLUON=0)"
+    if INTERPRET:
+        return "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
+    return None
+
+
 def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
     """Whether plans on ``device`` take the Gluon GEMMs (``gluon_forms``), and why (``b12x-ops info``)."""
-    if os.environ.get("B12X_OPS_TRITON_GLUON", "1") != "1":
-        return False, "off (B12X_OPS_TRITON_GLUON=0)"
-    if INTERPRET:
-        return False, "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
+    off = _gluon_switched_off()
+    if off:
+        return False, off
     if not GK.HAS_GLUON:
         return False, "off: this triton has no Gluon with Hopper's wgmma"
     cc = _capability(device)
@@ -776,10 +784,9 @@ def gemv_mma_status(device, ptx=None, fast_scales: bool = True) -> tuple[bool, s
 def _gemv_mma_decision(cc, fast_scales: bool, ptx, device=None, pdl: bool = False) -> tuple[bool, str]:
     """``gemv_mma_status`` for compute capability ``cc`` (None: no CUDA device; ``pdl``: its launches are
     programmatic dependent launches)."""
-    if os.environ.get("B12X_OPS_TRITON_GLUON", "1") != "1":
-        return False, "off (B12X_OPS_TRITON_GLUON=0)"
-    if INTERPRET:
-        return False, "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)"
+    off = _gluon_switched_off()
+    if off:
+        return False, off
     if not GG.HAS_GLUON_MMA:
         return False, "off: this triton has no Gluon with mma_v2"
     if cc is None:
