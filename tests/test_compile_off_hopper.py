@@ -66,17 +66,20 @@ def test_untuned_launches_compile_off_hopper(offline, arch, name):
         for stage, ln in launches:
             if ln is not None and id(ln) not in compiled:
                 compiled[id(ln)] = (M, stage, ln, offline.compile_launch(ln, arch))
-    # the mma.sync GEMV forms the tuner times there above the untuned plans' bound (``plan.tunes_wide_gemv``)
+    # the mma.sync GEMV forms the tuner times there above the untuned plans' bound (``plan.tunes_wide_gemv``),
+    # and the tl.dot GEMV (the tuner's other GEMV candidates; the plans' without Gluon), at 1 and 4 tokens
+    assert P.tunes_wide_gemv(16, gp.geometry, True, False)
     wide = [c for c in P.candidate_configs(16, gp.geometry, None, False, True, dot_ptx=False) if c.mma]
-    assert wide and all(P.tunes_wide_gemv(16, gp.geometry, True, False) for _ in wide)
-    for cfg in wide:
-        gp.reserve(16, cfg)
-        for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, 16)):
+    dot = [P.default_config(m, gp.geometry, gemv=True) for m in (1, 4)]
+    assert wide and not any(c.mma for c in dot)
+    for M, cfg in [(16, c) for c in wide] + list(zip((1, 4), dot)):
+        gp.reserve(M, cfg)
+        for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)):
             if ln is not None and id(ln) not in compiled:
-                compiled[id(ln)] = (16, stage, ln, offline.compile_launch(ln, arch))
+                compiled[id(ln)] = (M, stage, ln, offline.compile_launch(ln, arch))
     kinds = {ck.metadata.name for *_, ck in compiled.values()}
-    assert {"gemv1_mma_kernel", "gemv2_mma_kernel", "xquant_kernel", "prologue_kernel", "gemm1_kernel",
-            "gemm2_kernel", "finalize_kernel"} <= kinds, kinds
+    assert {"gemv1_mma_kernel", "gemv2_mma_kernel", "gemv1_kernel", "gemv2_kernel", "xquant_kernel",
+            "prologue_kernel", "gemm1_kernel", "gemm2_kernel", "finalize_kernel"} <= kinds, kinds
     for M, stage, ln, ck in compiled.values():
         what = (arch, name, M, stage, ck.metadata.name)
         assert ck.asm["cubin"], what
