@@ -1,6 +1,6 @@
-"""The GEMV path's two kernels on ``mma.sync`` in Gluon (sm_90): a few tokens, both operands in registers.
+"""The GEMV path's two kernels on ``mma.sync`` in Gluon (sm_80 and newer): a few tokens, both operands in registers.
 
-``kernels.gemv1_kernel`` and ``gemv2_kernel`` multiply on Hopper's wgmma. The wgmma's second operand
+``kernels.gemv1_kernel`` and ``gemv2_kernel`` multiply by ``tl.dot``, on Hopper's wgmma. The wgmma's second operand
 (the token's row as column 0 of a 16-column tile) must be in shared memory, so every K step stores it
 there and meets barriers. sm_80's ``mma.sync.m16n8k16``, which sm_90 runs too, takes both operands from
 registers. Here:
@@ -18,7 +18,7 @@ registers. Here:
   columns are zeros, so a row's sum is its accumulator row's sum (adding zeros: exact), and no
   barrier runs before the epilogue;
 * **the first ``W`` chunks' weight loads come before the wait for the previous kernel** (programmatic
-  dependent launch, sm_90). The weights read nothing a kernel of this op writes: the codes and scale
+  dependent launch, sm_90 and newer). The weights read nothing a kernel of this op writes: the codes and scale
   bytes are constants, and the caller wrote the ids and router weights before x's quantizing launch,
   which does not let gemv1 start before it has itself waited for the caller's kernels (gemv2 follows
   gemv1 the same way). x's quantized row (gemv1) and the activations (gemv2) are read after the wait,
@@ -32,7 +32,9 @@ general. gemv2's sums split the reduction at other points, so its output may dif
 gemv2's in the last bit of a few values. (``tests/test_triton_gpu.py`` bounds both against the reference
 and the tl.dot GEMV.)
 
-Plans take these kernels on sm_90 where ``plan.gemv_mma_form`` says so (``Config.mma``). x is then
+Plans take these kernels on every GPU from sm_80 (``plan.gemv_mma_status``; the decode's asm is right wherever
+the layouts above compile, unlike the ``tl.dot`` kernels', whose operand order is triton's, ``plan.ptx_status``)
+where ``plan.gemv_mma_form`` says so (``Config.mma``). x is then
 quantized by its own launch first (``kernels.xquant_kernel``).
 """
 

@@ -539,8 +539,8 @@ def _atomic(tokens: int, geometry) -> bool:
 # M = 4, the blocked path 1.03-1.05x faster at M = 8 on the three benchmark geometries).
 GEMV_MAX_SLOTS = 32
 GEMV_MAX_TOKENS = 4
-# ... and up to GEMV_MMA_MAX_SLOTS slots and GEMV_MMA_MAX_TOKENS tokens where the GEMV runs on mma.sync (a
-# GPU that runs the Gluon kernels, ``GeometryPlans.gluon``). H100, whole op, the mma.sync GEMV against the
+# ... and up to GEMV_MMA_MAX_SLOTS slots and GEMV_MMA_MAX_TOKENS tokens where the GEMV runs on mma.sync
+# (``GeometryPlans.mma``: sm_80 and newer, measured on sm_90). H100, whole op, the mma.sync GEMV against the
 # blocked path (``benchmarks/results/gemv_tokens.md``): gpt-oss at 5 / 6 / 8 tokens 102.7 / 119.0 / 153.1 us
 # against 119.0 / 134.3 / 169.8 (the tl.dot GEMV, 172.2 at 8, was no faster than the blocked path); DSv4 at
 # 5 / 6 / 8 tokens (30-48 slots) 0.86-0.89 of the blocked path; Qwen3 at 6 tokens (48 slots) 0.93, at 5 and
@@ -631,7 +631,7 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
 
 
 # The GEMV path on mma.sync (``gluon_gemv``: both operands in registers, the weights' first loads before
-# the wait for the previous kernel) on sm_90 where the Gluon GEMMs run (``gluon_status``). H200, whole op,
+# the wait for the previous kernel, from sm_90 on) on every GPU from sm_80 (``gemv_mma_status``). H200, whole op,
 # CUDA-graph replay over 4 layers (``benchmarks/results/gemv_mma.md``), us, tl.dot GEMV -> mma.sync in the
 # same call, its programs then loading every chunk first: at one token gpt-oss 35.4 -> 32.4 and 36.0 -> 32.2,
 # Qwen3 18.0 -> 15.7, 17.9 -> 16.9 and 17.3 -> 17.0 (three calls), DSv4 22.8 -> 22.8 and 23.2 -> 22.5;
