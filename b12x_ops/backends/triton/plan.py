@@ -318,7 +318,8 @@ def _ptx_decision(cc, fast_scales: bool, ptx, device=None) -> tuple[bool, str]:
         return False, f"off: needs an sm_90 CUDA device (got {device})"
     if cc != PTX_CAPABILITY:
         return False, (f"off: its register order is sm_90's wgmma operand's, and on sm_{cc[0]}{cc[1]} triton's "
-                       "tl.dot operand holds another, so Triton operations decode")
+                       "tl.dot operand holds another, so Triton operations decode in the tl.dot kernels (the "
+                       "mma.sync GEMV lays out its own operands and keeps it: see its line)")
     if not fast_scales:
         return False, "off: scale bytes outside [2, 252] (Triton operations decode)"
     return True, ("on: the tl.dot kernels and the Gluon ones decode with inline PTX where the checkpoint's scale "
