@@ -619,6 +619,7 @@ def test_gpu_gemv_mma_matches_reference_and_tl_dot(name):
     st = h._state
     g = st.plans.geometry
     assert st.plans.mma and all(c.mma for M, c in st.plans.configs.items() if M <= P.GEMV_MMA_MAX_TOKENS)
+    assert st.plans.mma_pdl or torch.cuda.get_device_capability()[0] < 9  # (PDL from sm_90 on)
     forms = [(2, 4, 0), (4, 6, 0), (1, 1, 0), (4, 6, 3), (3, 4, 1)]
     for M in range(1, P.GEMV_MMA_MAX_TOKENS + 1):  # (the untuned plans')
         if P.gemv_mma_form(M, g) + (P.GEMV_MMA_WINDOW,) not in forms:
