@@ -900,22 +900,21 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False, mma
     ``dot_ptx``), that GEMV up to a wider bound too (``tunes_wide_gemv``)."""
     mma = gluon if mma is None else mma
     out = []
-    if gemv is None and tunes_wide_gemv(tokens, geometry, mma, dot_ptx):
-        d = gemv_config(tokens, geometry)
-        out += [mma_config(d, geometry, q1, q2) for q1 in mma_q1_candidates(tokens, geometry, GEMV_MMA_TUNE_MAX_TOKENS)
-                for q2 in mma_q2_candidates(geometry)]
-    if gemv is True or (gemv is None and use_gemv(tokens, geometry, mma=mma)):
+    gemv_path = gemv is True or (gemv is None and use_gemv(tokens, geometry, mma=mma))
+    wide_gemv = gemv is None and tunes_wide_gemv(tokens, geometry, mma, dot_ptx)  # (then not gemv_path)
+    d = gemv_config(tokens, geometry)  # (the default among the GEMV tiles)
+    if gemv_path:
         t1, t2 = gemv_candidates(geometry)
         t1 += [c + (True,) for c in t1]  # (each with x quantized by a launch of its own, too)
-        d = gemv_config(tokens, geometry)  # (the default among them)
         t1 += [d.tiles1()] if d.tiles1() not in t1 else []
         t2 += [d.tiles2()] if d.tiles2() not in t2 else []
         for g1 in t1:
             for g2 in t2:
                 out.append(Config.of(1, g1, g2, False, gemv=True))
-        if mma:  # (the GEMV on mma.sync, a few chunk counts, a slot's whole row among them)
-            out += [mma_config(d, geometry, q1, q2) for q1 in mma_q1_candidates(tokens, geometry)
-                    for q2 in mma_q2_candidates(geometry)]
+    if mma and (gemv_path or wide_gemv):  # (the GEMV on mma.sync, a few chunk counts, a slot's whole row among them)
+        most = GEMV_MMA_TUNE_MAX_TOKENS if wide_gemv else GEMV_MMA_MAX_TOKENS
+        out += [mma_config(d, geometry, q1, q2) for q1 in mma_q1_candidates(tokens, geometry, most)
+                for q2 in mma_q2_candidates(geometry)]
     if gemv is True:
         return out
     cands = _regime(tokens, geometry)
