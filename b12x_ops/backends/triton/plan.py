@@ -604,7 +604,7 @@ def gemv_fused_status() -> str:
     return "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
 
 
-def eager_form(cfg: "Config", geometry=None) -> "Config | None":
+def eager_form(cfg: "Config", geometry=None, dot_ptx: bool = True) -> "Config | None":
     """What a call of ``cfg``'s plan launches outside CUDA-graph capture where that differs from
     ``cfg``: its one-launch GEMV form (``GEMV_FUSED_EAGER``; where ``cfg`` quantizes x in a launch
     of its own, the one launch quantizes it on the fly with the same tiles), else None.
@@ -615,12 +615,16 @@ def eager_form(cfg: "Config", geometry=None) -> "Config | None":
     steps of one chunk do the same (longer steps take all of a step's even elements first), so both
     add the same products in the same order and write the same bits. That needs the ``geometry``;
     where steps of one chunk cannot cut the plan's runs, there is no one-launch form. (With steps of
-    four chunks, H200: one value in 4096 one bf16 unit apart at Qwen3's two tokens.)"""
+    four chunks, H200: one value in 4096 one bf16 unit apart at Qwen3's two tokens.) That was shown where
+    the tl.dot kernels run on wgmma with the PTX decode (``dot_ptx``, sm_90); elsewhere they run on MMA v2
+    with their K elements in other registers, so an mma.sync plan there has no one-launch form."""
     if not (GEMV_FUSED_EAGER and cfg.gemv and not cfg.fused):
         return None
     out = dataclasses.replace(cfg, fused=True, xq=False, mma=False, window=0)
     if not cfg.mma:
         return out
+    if not dot_ptx:
+        return None
     if geometry is None:
         raise ValueError(f"eager_form: {cfg} needs its geometry (the runs of its mma.sync kernels)")
     nq1, nq2 = mma_chunks(geometry)
@@ -1488,9 +1492,7 @@ class GeometryPlans:
                         for m in range(self.caps[-1] + 1)]
         self.reserve(cap, cfg)
         self.runners[cap] = self.runner(cfg, cap)
-        # (off sm_90 an mma.sync plan has no one-launch eager form: its tl.dot kernels run on MMA v2 with
-        # their K elements in another register order, so that they add the same bits is not shown there)
-        eager = eager_form(cfg, self.geometry) if self.ptx or not cfg.mma else None
+        eager = eager_form(cfg, self.geometry, self.ptx)
         if eager is not None:
             self.reserve(cap, eager)
             self.eager_runners[cap] = self.runner(eager, cap)
