@@ -787,17 +787,17 @@ def prepare_options(args) -> dict:
     return {"ptx": False} if args.ptx_off else {}
 
 
-def stand_in(args):
-    """``--as-sm CC``: from here on the Triton backend's plans make the choices of a GPU of compute capability
-    CC (``plan._capability`` answers CC for every CUDA device): the decode of the tl.dot kernels, the Gluon
-    GEMMs, the GEMV on mma.sync, programmatic dependent launch. The kernels still compile for this GPU, so
-    on sm_90 a large tl.dot tile still lowers to wgmma where that GPU gets MMA v2. Returns the previous
-    answer's function (None where nothing changed), which the tests put back."""
-    if args.as_sm is None:
+def stand_in(as_sm: int | None):
+    """``--as-sm CC`` (``as_sm``): from here on the Triton backend's plans make the choices of a GPU of compute
+    capability CC (``plan._capability`` answers CC for every CUDA device): the decode of the tl.dot kernels,
+    the Gluon GEMMs, the GEMV on mma.sync, programmatic dependent launch. The kernels still compile for this
+    GPU, so on sm_90 a large tl.dot tile still lowers to wgmma where that GPU gets MMA v2. Returns the
+    previous answer's function (None where nothing changed), which the tests put back."""
+    if as_sm is None:
         return None
     from b12x_ops.backends.triton import plan as P
 
-    cc, real = (args.as_sm // 10, args.as_sm % 10), P._capability
+    cc, real = (as_sm // 10, as_sm % 10), P._capability
     P._capability = lambda device: None if real(device) is None else cc
     return real
 
@@ -849,7 +849,7 @@ def main(argv=None):
     def log(msg):
         print(msg, flush=True)
 
-    if stand_in(args) is not None:
+    if stand_in(args.as_sm) is not None:
         log(f"standing in for sm_{args.as_sm}: the plans make that GPU's choices, the kernels compile for this one")
     if args.gemv_compare:
         print("\n" + gemv_compare(args, log), flush=True)

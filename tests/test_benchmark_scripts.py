@@ -142,9 +142,9 @@ def test_bench_as_sm_plans_as_that_gpu_and_says_so(monkeypatch):
     ap = B.build_parser()
     args = ap.parse_args(["--no-tune", "--as-sm", "89"])
     assert B.command_line(args) == "python benchmarks/bench_moe.py --no-tune --as-sm 89"
-    assert B.stand_in(ap.parse_args(["--no-tune"])) is None
+    assert B.stand_in(ap.parse_args(["--no-tune"]).as_sm) is None
     monkeypatch.setattr(P, "_capability", lambda device: (9, 0) if torch.device(device).type == "cuda" else None)
-    real = B.stand_in(args)
+    real = B.stand_in(args.as_sm)
     try:
         assert P._capability("cuda") == (8, 9) and P._capability("cuda:1") == (8, 9) and P._capability("cpu") is None
         assert real("cuda") == (9, 0)

@@ -5,7 +5,7 @@ The untuned plans take the mma.sync GEMV up to ``plan.GEMV_MMA_MAX_TOKENS`` toke
 PTX. GPUs other than sm_90 decode the blocked path's tl.dot GEMMs with Triton operations (1.4-1.9x
 slower on an H100 standing in), so the GEMV may pay further there. Per geometry and token count: the
 untuned blocked plan and the GEMV on mma.sync in the untuned form for that count (``gemv_mma_form`` with
-the token bound lifted), us per layer from CUDA-graph replay over 3 layers, the GEMV's output against the
+its token bound the largest count), us per layer from CUDA-graph replay over 3 layers, the GEMV's output against the
 blocked plan's. ``AS_SM`` (default 89) makes the plans those of that GPU (``bench_moe.stand_in``):
 
     AS_SM=89 python benchmarks/experiments/gemv_bound.py qwen3-30b-a3b,gpt-oss-120b,dsv4.1-tp4 8,12,16,24,32
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -26,17 +25,15 @@ def main():
     from bench_moe import experiment_points, rel_l2, stand_in, whole_op_us
 
     as_sm = int(os.environ.get("AS_SM", "89"))
-    if as_sm != 90:
-        stand_in(types.SimpleNamespace(as_sm=as_sm))
+    stand_in(as_sm if as_sm != 90 else None)
     names = sys.argv[1].split(",")
     sizes = [int(m) for m in sys.argv[2].split(",")]
-    P.GEMV_MMA_MAX_TOKENS = max(sizes)  # (gemv_mma_form's bound: lifted, so every count has a form)
     print(f"plans as sm_{as_sm}; us per layer (whole op, graph replay over 3 layers)", flush=True)
     for name, hs, M, (xs, idss, wss, outs) in experiment_points(names, sizes):
         gp = hs[0]._state.plans
         g = gp.geometry
         blocked = gp.with_gluon(P.default_config(M, g, gemv=False), M)
-        gemv = P.mma_config(P.default_config(M, g, gemv=True), g, *P.gemv_mma_form(M, g))
+        gemv = P.mma_config(P.default_config(M, g, gemv=True), g, *P.gemv_mma_form(M, g, max(sizes)))
         times = {}
         for label, cfg in (("blocked", blocked), ("gemv", gemv)):
             gp.reserve(M, cfg)
