@@ -254,8 +254,9 @@ def geometry_plans(geo, arch: int, gemv=None, pdl: bool = False, gluon: bool = F
     gp = P.GeometryPlans(_geometry(geo), True, gemv, ptx=ptx, dry=True, fold=ptx, pdl=pdl and arch >= 90)
     gp.ptx = gp.fold = ptx  # (the constructor's choice is this machine's: off under TRITON_INTERPRET=1)
     gp.dot_dtype = triton.language.bfloat16  # (the constructor's is fp32 under TRITON_INTERPRET=1)
-    gp.gluon = gluon and arch == 90
     gp.mma = gp.mma_fold = gluon and (arch // 10, arch % 10) >= P.GEMV_MMA_MIN_CAPABILITY
+    gp.gluon = gluon and (arch == 90 or gp.mma)
+    gp.gluon_sync = gp.gluon and arch != 90  # (off sm_90 the Gluon GEMMs on mma.sync)
     gp.mma_pdl = gp.pdl  # (``plan.gemv_mma_pdl``: as the other launches')
     return gp
 

@@ -2,13 +2,13 @@
 
 The backend has run on H100 and H200 GPUs only, so off Hopper this is what checks the claim. A prepare
 on an A100 (sm_80), an L40 or RTX 4090 (sm_89) or an RTX 5090 forced onto ``backend="triton"`` (sm_120)
-takes the Triton-operations decode in its tl.dot kernels (``plan.ptx_status``), no Gluon GEMMs
-(``plan.gluon_status``), the GEMV on mma.sync in Gluon with the inline-PTX decode's asm up to its bounds
-(``plan.gemv_mma_status``: sm_80 and newer) and programmatic dependent launches from sm_90 on
-(``plan.pdl_status``); its launches, the MXFP8 conversions and the tl.dot GEMMs among them, must compile
-for that target with ptxas, put their products on MMA v2 (``mma.sync``) and fit the target's shared
-memory, and the mma.sync GEMV's operand layouts must pass its ``assert_trivial`` conversions there (the
-asm's registers are where the MMA reads them). It checks compilation, not numbers: the arithmetic is the
+takes the Triton-operations decode in its tl.dot kernels (``plan.ptx_status``), the GEMV on mma.sync in
+Gluon with the inline-PTX decode's asm up to its bounds (``plan.gemv_mma_status``: sm_80 and newer), the
+blocked GEMMs in Gluon on mma.sync with the same asm above them (``plan.gluon_status``, ``gluon_sync``) and
+programmatic dependent launches from sm_90 on (``plan.pdl_status``); its launches, the MXFP8 conversions and
+the tl.dot GEMMs the tuner also times among them, must compile for that target with ptxas, put their
+products on MMA v2 (``mma.sync``) and fit the target's shared memory, and the Gluon kernels' operand layouts
+must pass their ``assert_trivial`` conversions there (the asm's registers are where the MMA reads them). It checks compilation, not numbers: the arithmetic is the
 interpreter suite's and the sm_90 suite's (which runs the same mma.sync GEMV).
 """
 
@@ -43,7 +43,8 @@ def _plans(offline, arch: int, name: str):
     ptx, why = P._ptx_decision((arch // 10, arch % 10), True, None)
     assert not ptx and f"sm_{arch}" in why, why  # (what ptx_status says on that GPU)
     gp = offline.geometry_plans(GEOMETRIES[name], arch, pdl=True, gluon=True)  # (as far as that GPU takes them)
-    assert not gp.ptx and not gp.fold and not gp.gluon and gp.pdl == (arch >= 90)
+    assert not gp.ptx and not gp.fold and gp.pdl == (arch >= 90)
+    assert gp.gluon and gp.gluon_sync  # (the blocked GEMMs in Gluon on mma.sync)
     assert gp.mma and gp.mma_fold  # (the GEMV on mma.sync, its asm folded for the usual scales)
     mma, why = P._gemv_mma_decision((arch // 10, arch % 10), True, None)
     assert mma is (P.GG.HAS_GLUON_MMA and not P.INTERPRET), why  # (what gemv_mma_status says on that GPU)
@@ -58,7 +59,7 @@ def test_untuned_launches_compile_off_hopper(offline, arch, name):
     compiled = {}
     for M in SIZES:
         cfg = gp.default(M)
-        assert not (cfg.gluon or cfg.gluon2), (M, cfg)  # (the sm_90-only forms)
+        assert cfg.gemv or (cfg.gluon and cfg.gluon2 and cfg.bm <= P.GLUON_SYNC_MAX_BM), (M, cfg)
         assert cfg.mma == (M <= P.GEMV_MMA_MAX_TOKENS and cfg.gemv), (M, cfg)
         rn = gp.runner(cfg, M)
         launches = (*zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)),
@@ -67,19 +68,22 @@ def test_untuned_launches_compile_off_hopper(offline, arch, name):
             if ln is not None and id(ln) not in compiled:
                 compiled[id(ln)] = (M, stage, ln, offline.compile_launch(ln, arch))
     # the mma.sync GEMV forms the tuner times there above the untuned plans' bound (``plan.tunes_wide_gemv``),
-    # and the tl.dot GEMV (the tuner's other GEMV candidates; the plans' without Gluon), at 1 and 4 tokens
+    # the tl.dot GEMV (the tuner's other GEMV candidates; the plans' without Gluon) at 1 and 4 tokens, and the
+    # tl.dot GEMMs (the tuner's other blocked candidates) at 64 and 8192
     assert P.tunes_wide_gemv(16, gp.geometry, True, False)
     wide = [c for c in P.candidate_configs(16, gp.geometry, None, False, True, dot_ptx=False) if c.mma]
-    dot = [P.default_config(m, gp.geometry, gemv=True) for m in (1, 4)]
-    assert wide and not any(c.mma for c in dot)
-    for M, cfg in [(16, c) for c in wide] + list(zip((1, 4), dot)):
+    dot = [P.default_config(m, gp.geometry, gemv=True) for m in (1, 4)] + [P.default_config(m, gp.geometry)
+                                                                             for m in (64, 8192)]
+    assert wide and not any(c.mma or c.gluon or c.gluon2 for c in dot)
+    for M, cfg in [(16, c) for c in wide] + list(zip((1, 4, 64, 8192), dot)):
         gp.reserve(M, cfg)
         for stage, ln in zip(("prologue", "gemm1", "gemm2", "finalize"), gp.stages(cfg, M)):
             if ln is not None and id(ln) not in compiled:
                 compiled[id(ln)] = (M, stage, ln, offline.compile_launch(ln, arch))
     kinds = {ck.metadata.name for *_, ck in compiled.values()}
     assert {"gemv1_mma_kernel", "gemv2_mma_kernel", "gemv1_kernel", "gemv2_kernel", "xquant_kernel",
-            "prologue_kernel", "gemm1_kernel", "gemm2_kernel", "finalize_kernel"} <= kinds, kinds
+            "prologue_kernel", "gemm1_kernel", "gemm2_kernel", "finalize_kernel", "gemm1_gluon_kernel",
+            "gemm2_gluon_kernel"} <= kinds, kinds
     for M, stage, ln, ck in compiled.values():
         what = (arch, name, M, stage, ck.metadata.name)
         assert ck.asm["cubin"], what
@@ -87,8 +91,8 @@ def test_untuned_launches_compile_off_hopper(offline, arch, name):
         assert f".target sm_{arch}" in ptx, what
         assert ck.metadata.shared <= SHARED_LIMIT[arch], (what, ck.metadata.shared)
         assert "wgmma" not in ptx, what
-        # (the inline-PTX decode in the mma.sync GEMV only: its pair-3 mask is in the asm)
-        assert ("0x81808180" in ptx) == ck.metadata.name.endswith("_mma_kernel"), what
+        # (the inline-PTX decode in the Gluon kernels only: its pair-3 mask is in the asm)
+        assert ("0x81808180" in ptx) == ck.metadata.name.endswith(("_mma_kernel", "_gluon_kernel")), what
         assert ("griddepcontrol" in ptx) == (arch >= 90), what  # (PDL from sm_90 on)
         if ck.metadata.name.startswith(("gemm", "gemv")):
             assert "mma.sync" in ptx, what

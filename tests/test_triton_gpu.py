@@ -303,12 +303,12 @@ def test_gpu_cuda_graph_capture_replays_new_inputs():
 def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, monkeypatch):
     """The launches a prepare on an sm_89 GPU (no programmatic dependent launch) or an sm_120 one forced onto
     ``backend="triton"`` (with it) takes, run on this GPU standing in (``plan._capability`` answers ``cc``, as
-    ``bench_moe.py --as-sm``): the GEMV on mma.sync with the asm decode at every token count it serves, the
-    tl.dot kernels with the Triton-operations decode, no Gluon GEMMs. Against the reference at 1-8 tokens and
-    two blocked counts, eager (three launches: no one-launch form off sm_90) and captured in a CUDA graph
-    replaying new inputs, with the same bits either way. The kernels compile for this GPU, so its large
-    tl.dot tiles may lower to wgmma where that GPU gets MMA v2 (``tests/test_compile_off_hopper.py`` compiles
-    them for it)."""
+    ``bench_moe.py --as-sm``): the GEMV on mma.sync with the asm decode at every token count it serves, and
+    above it the Gluon GEMMs on mma.sync (``plan.GLUON_SYNC_FORMS``, blocks of at most
+    ``GLUON_SYNC_MAX_BM`` rows, their half tiles among them). Against the reference at 1-8 tokens and three
+    blocked counts, eager (three launches: no one-launch form off sm_90) and captured in a CUDA graph
+    replaying new inputs, with the same bits either way (``tests/test_compile_off_hopper.py`` compiles them
+    for that GPU)."""
     from b12x_ops.backends.triton import plan as P
 
     real = P._capability
@@ -318,15 +318,17 @@ def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, monkeypatch
     for name in ("qwen3-30b-a3b", "odd-ep"):
         layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
         ref = layer.prepare(backend="reference")
-        h = layer.prepare(backend="triton", tune=False, max_tokens=64, decode_token_counts=tuple(range(1, 9)))
+        h = layer.prepare(backend="triton", tune=False, max_tokens=512, decode_token_counts=tuple(range(1, 9)))
         gp = h._state.plans
         top_k = gp.geometry.top_k
-        assert gp.mma and not gp.ptx and not gp.gluon and gp.mma_pdl == (cc >= (9, 0) and P.K_.HAS_GDC), name
+        assert gp.mma and not gp.ptx and gp.mma_pdl == (cc >= (9, 0) and P.K_.HAS_GDC), name
+        assert gp.gluon and gp.gluon_sync, name
         assert not gp.eager_runners  # (no one-launch GEMV off sm_90, and the blocked plans have none)
-        for M in (1, 2, 3, 4, 5, 6, 7, 8, 13, 64):
+        for M in (1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 300):
             cap, cfg = gp.plan_for(M)
             serves = M <= P.GEMV_MMA_MAX_TOKENS and M * top_k <= P.GEMV_MMA_MAX_SLOTS
-            assert cfg.gemv == cfg.mma == serves and not (cfg.gluon or cfg.gluon2), (name, M, cfg)
+            assert cfg.gemv == cfg.mma == serves, (name, M, cfg)
+            assert serves or (cfg.gluon and cfg.gluon2 and cfg.bm <= P.GLUON_SYNC_MAX_BM), (name, M, cfg)
             x, ids, w = make_batch(layer, M, seed=70 + M, device="cuda", padding_rows=min(1, M // 4))
             want = b12x_ops.moe_w4a8(x, ids, w, ref)
             out = torch.empty_like(x)

@@ -147,8 +147,8 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
     gp = P.GeometryPlans(g, True, None, ptx=True, dry=True)
     assert not gp.gluon  # (a dry plan, on the CPU)
     monkeypatch.delenv("B12X_OPS_TRITON_GLUON", raising=False)
-    assert P.gluon_status(torch.device("cpu"))[1] in ("off: needs an sm_90 CUDA device (got cpu)",
-                                                      "off: this triton has no Gluon with Hopper's wgmma",
+    assert P.gluon_status(torch.device("cpu"))[1] in ("off: needs a CUDA device (got cpu)",
+                                                      "off: this triton has no Gluon with Hopper's wgmma and mma_v2",
                                                       "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)")
     monkeypatch.setenv("B12X_OPS_TRITON_GLUON", "0")
     assert P.gluon_status(torch.device("cpu")) == (False, "off (B12X_OPS_TRITON_GLUON=0)")
@@ -195,6 +195,71 @@ def test_gluon_gemms_take_the_plans_of_32_row_blocks_and_more(name, monkeypatch)
             assert (f2 is None) == (bm < P.GLUON_MIN_BM)
     gp.gluon = False
     assert gp.with_gluon(P.default_config(8192, g)) == P.default_config(8192, g)
+
+
+@pytest.mark.parametrize("cc, on, sync", [((9, 0), True, False), ((8, 0), True, True), ((8, 9), True, True),
+                                          ((12, 0), True, True), ((10, 0), True, True), ((7, 5), False, False),
+                                          (None, False, False)])
+def test_gluon_gemms_run_on_mma_sync_off_sm90_wherever_the_gemv_does(monkeypatch, cc, on, sync):
+    """``gluon_status`` by compute capability: wgmma on sm_90 (with the PTX decode), mma.sync on every other
+    GPU from sm_80 where the GEMV runs on mma.sync (``gemv_mma_status``, the same asm decode), off below sm_80,
+    without a CUDA device, with ``ptx=False`` (the GEMV's answer) and under the interpreter; each with its
+    reason. ``GeometryPlans.gluon_sync`` says which of the two MMAs a GPU's plans take."""
+    monkeypatch.setattr(P, "INTERPRET", False)
+    monkeypatch.delenv("B12X_OPS_TRITON_GLUON", raising=False)
+    monkeypatch.setattr(P, "_capability", lambda device: cc)
+    got, why = P.gluon_status("cuda")
+    assert got is (on and P.GK.HAS_GLUON and P.GG.HAS_GLUON_MMA), why
+    if got:
+        assert why.startswith("on, on mma.sync (sm_" if sync else "on: the GEMMs"), why
+        if sync:  # (the GEMV's answer decides: ptx=False turns both off)
+            assert P.gluon_status("cuda", mma=P.gemv_mma_status("cuda", ptx=False)[0]) == (
+                False, "off: where the GEMV does not run on mma.sync (its decode is theirs)")
+        else:  # (sm_90: the PTX decode's answer)
+            assert P.gluon_status("cuda", mma=False) == (True, why)
+            assert P.gluon_status("cuda", ptx=False)[0] is False
+    elif cc is None:
+        assert why == "off: needs a CUDA device (got cuda)"
+    else:
+        assert why.startswith("off") and f"sm_{cc[0]}{cc[1]}" in why, why
+    monkeypatch.setattr(P, "INTERPRET", True)
+    assert P.gluon_status("cuda") == (False, "off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)")
+
+
+@pytest.mark.parametrize("name", list(GEOS))
+def test_gluon_gemms_on_mma_sync_take_every_blocked_plan_in_forms_that_fit_99_kb(name):
+    """Off sm_90 (``gluon_sync``) every blocked plan takes both GEMMs in Gluon on mma.sync: the 4-warp
+    forms at 16-row blocks, the 8-warp ones from 32 rows (``GLUON_SYNC_FORMS``), plans of larger blocks at
+    ``GLUON_SYNC_MAX_BM`` rows. Their launches are built with mma.sync's layouts (``version`` 2), the
+    GEMV's fold, no register cap; the GEMV path is the mma.sync GEMV's. The tuner times only those forms,
+    at blocks of at most ``GLUON_SYNC_MAX_BM`` rows (the 16-warp forms need more than 99 KB)."""
+    g = geometry(*GEOS[name])
+    gp = P.GeometryPlans(g, True, None, ptx=False, dry=True)
+    gp.gluon = gp.gluon_sync = gp.mma = gp.mma_fold = True  # (as a prepare on sm_80, sm_89 or sm_120 sets them)
+    assert not gp.ptx and not gp.fold
+    sizes = set()
+    for tokens in (9, 16, 64, 512, 2048, 8192):
+        cfg = gp.default(tokens)
+        if cfg.gemv:
+            assert cfg.mma
+            continue
+        want1, want2 = P.GLUON_SYNC_FORMS.get(cfg.bm, P.GLUON_SYNC_DEFAULT)
+        assert cfg.gluon and cfg.gluon2 and cfg.bm <= P.GLUON_SYNC_MAX_BM, (tokens, cfg)
+        assert dataclasses.replace(cfg, **want1, **want2) == cfg, (tokens, cfg)
+        plain = P.default_config(tokens, g)
+        assert cfg.atomic == plain.atomic and cfg.bm == min(plain.bm, P.GLUON_SYNC_MAX_BM)
+        sizes.add(cfg.bm)
+        for ln in gp.stages(cfg, tokens)[1:3]:
+            assert list(ln.constexprs["mma"].version) == [2, 0] and ln.constexprs["FOLD"] is True
+            assert ln.options.get("maxnreg") is None
+    assert P.GLUON_SYNC_MAX_BM in sizes
+    for tokens in (16, 512, 8192):
+        extra = [c for c in P.candidate_configs(tokens, g, False, gluon=True, mma=True, dot_ptx=False,
+                                                gluon_sync=True) if c.gluon or c.gluon2]
+        assert extra and all(c.bm <= P.GLUON_SYNC_MAX_BM for c in extra)
+        for c in extra:
+            assert c.warps1 <= 8 if c.gluon else c.warps2 <= 8  # (no 16-warp form)
+            gp.stages(c, tokens)  # (launchable: GeometryPlans' checks)
 
 
 @pytest.mark.parametrize("name", list(GEOS))

@@ -225,7 +225,7 @@ def _choose_configs(state, caps, tune, cache_dir_opt):
     if not tune:
         return {c: state.plans.default(c) for c in caps}
     path = P.cache_path(g, P.cache_dir(cache_dir_opt), mode, state.plans.ptx, state.plans.gluon,
-                        state.plans.mma)
+                        state.plans.mma, state.plans.gluon_sync)
     cached = P.load_cache(path)
     todo = [c for c in caps if c not in cached]
     if todo:
@@ -293,7 +293,7 @@ def _tune_one(state, cap):
     g = gp.geometry
     x, ids, w = _synthetic_batch(state, cap, seed=1)
     out = torch.empty_like(x)
-    cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon, gp.mma, gp.ptx)
+    cands = P.candidate_configs(cap, g, gp.gemv, gp.gluon, gp.mma, gp.ptx, gp.gluon_sync)
     flush = _l2_flush_buffer(g.device)
     best = None
     for bm, gemv, mma in sorted({(c.bm, c.gemv, c.mma) for c in cands}):

@@ -57,7 +57,7 @@ from __future__ import annotations
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
     # (triton 3.6's name for cp.async into shared memory; later versions call it async_load)
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -73,24 +73,30 @@ from .mxtl import (_DECODE_PTX, _DECODE_PTX_FOLD, _SCALE_PAIRS_PTX, _SCALE_PAIRS
 
 if HAS_GLUON:
 
-    def layouts(rows: int, bm: int, nw: int | None = None) -> dict:
+    def layouts(rows: int, bm: int, nw: int | None = None, sync: bool = False) -> dict:
         """The layouts of a program of ``rows`` operand rows and ``bm`` block rows in ``nw`` warps (default
         ``rows / 16``): warp w takes the 16-row groups w, w + nw, .. (a warpgroup 64 rows of an MMA, ``rows
-        / (4 nw)`` MMAs a step): the kernels' last constexprs. ``mma`` the accumulator, ``a_l``
-        the wgmma's register operand (what the decode's asm produces in place), ``code_l`` the
+        / (4 nw)`` MMAs a step): the kernels' last constexprs. ``mma`` the accumulator (Hopper's wgmma, or
+        with ``sync`` sm_80's ``mma.sync.m16n8k16``: the same registers of the same ``[rows, bm]`` tile,
+        the kernels branch on it), ``a_l`` the MMA's register operand (what the decode's asm produces in
+        place), ``code_l`` the
         loaded ``[G, Q, 32, 16]`` code tile (a lane 16 contiguous bytes a chunk, as
         ``mxtl.load_repacked``), ``p7`` that tile split ``[g, q, lane, s, kh, rh, kk]`` and ``s5_l``
         its scale bytes ``[g, q, lane, s, rh]`` (rows r0 and r0 + 8 of a lane, a chunk's two
         32-element blocks), ``x_l`` the activation copies' ``[bm, bk / 2]`` (16 bytes a thread);
         ``mma_h``, ``a_l_h`` the accumulator and operand of the half tile (``HALF``: bm / 2 rows)."""
         nw = nw or rows // 16
-        if nw % 4 or (rows // 16) % nw:
+        if (nw % 4 and not sync) or (rows // 16) % nw:
             raise ValueError(f"gluon_kernels.layouts: {nw} warps for {rows} rows (whole warpgroups, whole 16-row "
                              "groups a warp)")
-        mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, bm, 16])
+        if sync:  # (``m16n8k16`` tiles: the same layout for any count of columns)
+            mma = mma_h = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[nw, 1], instr_shape=[16, 8])
+        else:
+            mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, bm, 16])
+            mma_h = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                              instr_shape=[16, max(bm // 2, 8), 16])
         p7 = gl.BlockedLayout([1, 1, 1, 2, 2, 2, 2], [1, 1, 32, 1, 1, 1, 1], [nw, 1, 1, 1, 1, 1, 1],
                               [6, 5, 4, 3, 2, 1, 0])
-        mma_h = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, max(bm // 2, 8), 16])
         return dict(mma=mma, a_l=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                     code_l=gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [nw, 1, 1, 1], [3, 2, 1, 0]), p7=p7,
                     s5_l=gl.SliceLayout(4, gl.SliceLayout(6, p7)),
@@ -101,9 +107,22 @@ if HAS_GLUON:
     def _mma_of(mma, rows):
         """``mma`` (the full tile's accumulator layout) for a tile of ``rows`` block rows: the quarter
         tile's (``HALF`` 2), built where it is used so that the kernels' layout arguments stay those of
-        ``layouts``."""
+        ``layouts``. (mma.sync's ``m16n8k16`` tiles hold any count of columns: the same layout.)"""
+        if mma.version[0] == 2:
+            return mma
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=list(mma.warps_per_cta),
                                          instr_shape=[16, max(rows, 8), 16])
+
+    @gluon.constexpr_function
+    def _sync(layout):
+        """Whether accumulator layout ``layout`` (or an operand layout of one) is mma.sync's (``layouts(...,
+        sync=True)``), not wgmma's."""
+        return (layout.parent if isinstance(layout, gl.DotOperandLayout) else layout).version[0] == 2
+
+    @gluon.constexpr_function
+    def _b_operand_of(a_l):
+        """mma.sync's second operand layout beside first operand layout ``a_l`` (loaded from shared memory)."""
+        return gl.DotOperandLayout(operand_index=1, parent=a_l.parent, k_width=2)
 
     @gluon.constexpr_function
     def _operand_of(mma):
@@ -237,31 +256,44 @@ if HAS_GLUON:
         NSTEP: gl.constexpr = (RED + BK - 1) // BK
         sb = _load_scales(s_src, s_ok & (sblk < KS), KS % 2 == 0)  # (scale bytes: a step ahead)
         acc = gl.zeros([R, BM], gl.float32, layout=mma)
-        # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
-        # consecutive steps decode into two register sets (A, B, A, ...), and each wait lists both
-        # sets, so that neither is dead (free for the other step's decode) while its MMAs may run.
-        # The loop takes STAGES steps a trip (an even count: every step's buffers and register set
-        # are known at compile time); the NSTEP % STAGES steps left over run first, before the loop,
-        # in the sets that end on B. (``compile_offline.wgmma_operand_hazards`` checks the SASS.)
         gl.static_assert(STAGES % 2 == 0)
-        we_a = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
-        wo_a = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
-        we_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
-        wo_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
         K1: gl.constexpr = NSTEP % STAGES
-        for p in gl.static_range(K1):
-            acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b,
-                                                           ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
-                                                           sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
-                                                           code_l, p7, x_l)
-        for kk in range(NSTEP // STAGES):
-            for s in gl.static_range(STAGES):
-                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a,
-                                                               wo_a, we_b, wo_b, ring[(K1 + s) % STAGES],
-                                                               ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok,
-                                                               sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD,
-                                                               a_l, code_l, p7, x_l)
-        acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
+        if _sync(mma):
+            # mma.sync: each step's MMAs read their registers before the next instruction that writes
+            # them may issue, so one register set serves every step (the tensor cores still run under the
+            # next step's decode: nothing there waits for the accumulator)
+            for p in gl.static_range(K1):
+                acc, sb, _, _ = _step(p * BK, acc, sb, ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                      sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
+            for kk in range(NSTEP // STAGES):
+                for s in gl.static_range(STAGES):
+                    acc, sb, _, _ = _step((K1 + STAGES * kk + s) * BK, acc, sb, ring[(K1 + s) % STAGES],
+                                          ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk, x_rows,
+                                          rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
+        else:
+            # Step k's MMAs read its operands from registers until the wait after step k + 1's MMAs, so
+            # consecutive steps decode into two register sets (A, B, A, ...), and each wait lists both
+            # sets, so that neither is dead (free for the other step's decode) while its MMAs may run.
+            # The loop takes STAGES steps a trip (an even count: every step's buffers and register set
+            # are known at compile time); the NSTEP % STAGES steps left over run first, before the loop,
+            # in the sets that end on B. (``compile_offline.wgmma_operand_hazards`` checks the SASS.)
+            we_a = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
+            wo_a = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
+            we_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
+            wo_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
+            for p in gl.static_range(K1):
+                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b,
+                                                               ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                               sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
+                                                               code_l, p7, x_l)
+            for kk in range(NSTEP // STAGES):
+                for s in gl.static_range(STAGES):
+                    acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a,
+                                                                   wo_a, we_b, wo_b, ring[(K1 + s) % STAGES],
+                                                                   ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok,
+                                                                   sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD,
+                                                                   a_l, code_l, p7, x_l)
+            acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
         # every thread's copies (those past the last step write zeros) have landed and every warp is
         # past its last read of the ring before the caller's shared memory may reuse it
         async_copy.wait_group(0)
@@ -324,8 +356,12 @@ if HAS_GLUON:
         we, wo = _decode_operands(cur[0].load(code_l), sb, G, Q, R, BKH, FOLD, a_l, p7)
         kn = k0 + BK
         sb = _load_scales(s_src + kn // 32, s_ok & ((kn // 32 + sblk) < KS), KS % 2 == 0)
-        acc = warpgroup_mma(we, cur[1].permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(wo, cur[2].permute((1, 0)), acc, is_async=True)
+        if _sync(a_l):  # (the activations from shared memory into registers, then mma.sync)
+            acc = mma_v2(we, cur[1].permute((1, 0)).load(_b_operand_of(a_l)), acc)
+            acc = mma_v2(wo, cur[2].permute((1, 0)).load(_b_operand_of(a_l)), acc)
+        else:
+            acc = warpgroup_mma(we, cur[1].permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(wo, cur[2].permute((1, 0)), acc, is_async=True)
         return acc, sb, we, wo
 
     @gluon.jit

@@ -246,14 +246,34 @@ GLUON_TUNE_MIN_BM = 16
 GLUON_BM64_MAXNREG = 80
 
 
-def gluon_maxnreg(bm: int, warps: int) -> int | None:
-    """The register cap of a Gluon GEMM launch of ``warps`` warps for ``bm``-row blocks (None: none)."""
-    return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 else None
+def gluon_maxnreg(bm: int, warps: int, sync: bool = False) -> int | None:
+    """The register cap of a Gluon GEMM launch of ``warps`` warps for ``bm``-row blocks (None: none); on
+    mma.sync (``sync``), with one register set a step, none."""
+    return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 and not sync else None
 
 
-def gluon_forms(bm: int, geometry=None, tokens: int | None = None) -> tuple[dict | None, dict | None]:
+# Off sm_90 (``gluon_status``: sm_80 and newer where the GEMV runs on mma.sync) the same kernels run on
+# ``mma.sync.m16n8k16`` (``gluon_kernels.layouts(..., sync=True)``), the activations from shared memory
+# into registers a step, and there the tl.dot GEMMs they replace decode with Triton operations (``ptx_status``),
+# 1.4-1.9x slower than sm_90's (an H100 standing in, ``benchmarks/results/gemv_mma_off_hopper_h100.md``). So
+# every blocked plan takes them, in the forms whose shared memory fits every such GPU's 99 KB a block
+# (sm_86, sm_89, sm_120; the 16-warp forms of 128 columns need 128 KB and more): GLUON_SYNC_FORMS by
+# block size, the 16-row forms of 4 warps and six stages, the 8-warp forms from 32 rows. Plans of larger
+# blocks take GLUON_SYNC_MAX_BM rows: mma.sync reads the activations from registers, so 128-row blocks
+# hold a step's [32, 128] tile of them besides the accumulator (150-181 registers, one 8-warp program an SM,
+# compiled for sm_89) where 64-row blocks take 72-110.
+GLUON_SYNC_FORMS = {16: (GLUON_GEMM1_16, GLUON_GEMM2_16)}
+GLUON_SYNC_DEFAULT = (GLUON_GEMM1_SMALL, GLUON_GEMM2_SMALL)
+GLUON_SYNC_MAX_BM = 64
+
+
+def gluon_forms(bm: int, geometry=None, tokens: int | None = None,
+                sync: bool = False) -> tuple[dict | None, dict | None]:
     """The Gluon GEMM1 and GEMM2 forms an untuned plan of ``bm``-row blocks of ``geometry`` for ``tokens``
-    tokens takes (None: tl.dot). Without a geometry and token count, a 16-row block's GEMM1 is tl.dot."""
+    tokens takes (None: tl.dot); with ``sync`` those of a GPU that runs them on mma.sync. Without a geometry
+    and token count, a 16-row block's GEMM1 on sm_90 is tl.dot."""
+    if sync:
+        return GLUON_SYNC_FORMS.get(bm, GLUON_SYNC_DEFAULT)
     if (bm == 16 and geometry is not None and tokens is not None and geometry.intermediate_size < GLUON_16_MAX_N
             and tokens * geometry.top_k >= GLUON_16_MIN_SLOTS):
         return GLUON_GEMM1_16, None
@@ -273,18 +293,27 @@ def _gluon_switched_off() -> str | None:
     return None
 
 
-def gluon_status(device, ptx: bool = True) -> tuple[bool, str]:
-    """Whether plans on ``device`` take the Gluon GEMMs (``gluon_forms``), and why (``b12x-ops info``)."""
+def gluon_status(device, ptx: bool = True, mma: bool | None = None) -> tuple[bool, str]:
+    """Whether plans on ``device`` take the Gluon GEMMs (``gluon_forms``), and why (``b12x-ops info``): on
+    sm_90 on wgmma with the inline-PTX decode (``ptx``), elsewhere on mma.sync wherever the GEMV runs there
+    (``mma``, ``gemv_mma_status``; None: its answer for the usual scales)."""
     off = _gluon_switched_off()
     if off:
         return False, off
     if not GK.HAS_GLUON:
-        return False, "off: this triton has no Gluon with Hopper's wgmma"
+        return False, "off: this triton has no Gluon with Hopper's wgmma and mma_v2"
     cc = _capability(device)
     if cc is None:
-        return False, f"off: needs an sm_90 CUDA device (got {device})"
+        return False, f"off: needs a CUDA device (got {device})"
     if cc != (9, 0):
-        return False, f"off: its wgmma needs sm_90 (got sm_{cc[0]}{cc[1]})"
+        why = None
+        if mma is None:
+            mma, why = gemv_mma_status(device)
+        if not mma:
+            return False, (why or "off: where the GEMV does not run on mma.sync (its decode is theirs)")
+        return True, (f"on, on mma.sync (sm_{cc[0]}{cc[1]}; Hopper's wgmma is sm_90's): the GEMMs of every blocked call "
+                      "run in Gluon, decoding with the inline-PTX asm into their operands in place "
+                      "(B12X_OPS_TRITON_GLUON=0 or ptx=False turns it off)")
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
     return True, (f"on: the GEMMs of blocked calls with expert blocks of {GLUON_MIN_BM} rows or more run in Gluon, "
@@ -895,13 +924,14 @@ def default_config(tokens: int, geometry, gemv=None, mma: bool = False) -> Confi
 
 
 def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False, mma: bool | None = None,
-                      dot_ptx: bool = True) -> list[Config]:
+                      dot_ptx: bool = True, gluon_sync: bool = False) -> list[Config]:
     """The small search space the tuner times for one token count (GEMM1 and GEMM2 separately):
     the GEMV tiles where that path may serve the count, the blocked ones unless GEMV is forced, with
     ``gluon`` (a GPU that runs them: ``gluon_status``) the Gluon GEMMs at blocks of at least
     ``GLUON_TUNE_MIN_BM`` rows, and with ``mma`` (``gemv_mma_status``; None: as ``gluon``, sm_90's
     answer) the GEMV on mma.sync; where the tl.dot GEMMs decode with Triton operations (not
-    ``dot_ptx``), that GEMV up to a wider bound too (``tunes_wide_gemv``)."""
+    ``dot_ptx``), that GEMV up to a wider bound too (``tunes_wide_gemv``). With ``gluon_sync`` (the Gluon
+    GEMMs on mma.sync) only their forms that fit 99 KB of shared memory: the 8-warp and 4-warp ones."""
     mma = gluon if mma is None else mma
     out = []
     gemv_path = gemv is True or (gemv is None and use_gemv(tokens, geometry, mma=mma))
@@ -933,11 +963,12 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False, mma
                     out.append(c)
     if gluon:  # (sm_90: the Gluon GEMMs beside the tl.dot tiles, crossed with them by the tuner)
         for bm, g1, g2 in cands:
-            if bm >= GLUON_TUNE_MIN_BM:
+            if bm >= GLUON_TUNE_MIN_BM and (bm <= GLUON_SYNC_MAX_BM or not gluon_sync):
                 c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
-                narrow1, narrow2 = ((GLUON_GEMM1_16,), (GLUON_GEMM2_16,)) if bm == 16 else ((), ())
-                out += [dataclasses.replace(c, gluon=True, **f) for f in (GLUON_GEMM1_SMALL, GLUON_GEMM1) + narrow1]
-                out += [dataclasses.replace(c, gluon2=True, **f) for f in (GLUON_GEMM2_SMALL, GLUON_GEMM2) + narrow2]
+                narrow1, narrow2 = ((GLUON_GEMM1_16,), (GLUON_GEMM2_16,)) if bm == 16 or gluon_sync else ((), ())
+                wide1, wide2 = ((), ()) if gluon_sync else ((GLUON_GEMM1,), (GLUON_GEMM2,))
+                out += [dataclasses.replace(c, gluon=True, **f) for f in (GLUON_GEMM1_SMALL,) + wide1 + narrow1]
+                out += [dataclasses.replace(c, gluon2=True, **f) for f in (GLUON_GEMM2_SMALL,) + wide2 + narrow2]
     return out
 
 
@@ -1172,10 +1203,13 @@ class GeometryPlans:
         self.dot_dtype = tl.float32 if INTERPRET else tl.bfloat16
         self.slot_chunk = max(1, SLOT_BUFFER_BYTES // (g.top_k * g.hidden_size * 4))
         self.pdl = pdl_status(g.device)[0] if pdl is None else bool(pdl)
-        self.gluon = False if dry else gluon_status(g.device, self.ptx)[0]  # (GLUON_GEMM1)
         # the GEMV on mma.sync (``gemv_mma_status``: sm_80 and newer; its asm folds as the PTX decode does)
         self.mma = False if dry else _gemv_mma_decision(_capability(g.device), fast_scales, ptx)[0]
         self.mma_fold = bool(fold and self.mma)
+        # the Gluon GEMMs (``gluon_status``): on sm_90's wgmma, or elsewhere on mma.sync (``gluon_sync``,
+        # decoding as the mma.sync GEMV does)
+        self.gluon = False if dry else gluon_status(g.device, self.ptx, self.mma)[0]
+        self.gluon_sync = bool(self.gluon and _capability(g.device) != (9, 0))
         self.mma_pdl = gemv_mma_pdl(g.device)  # (the mma.sync GEMV's launches)
 
     # ---- per call
@@ -1242,10 +1276,10 @@ class GeometryPlans:
             return hit
         rows = 2 * w if kind == "gemm1" else w
         c = {k: v for k, v in main.constexprs.items() if k != "PDL"}
-        c.update(BN=w, C0=c0, C1=0, **GK.layouts(rows, cfg.bm, nw))
+        c.update(BN=w, C0=c0, C1=0, **GK.layouts(rows, cfg.bm, nw, self.gluon_sync))
         if kind == "gemm1":
             c["ZERO_ACC"] = 0
-        ln = Launch(main.fn, c, nw, 1, gluon_maxnreg(cfg.bm, nw), pdl=self.pdl)
+        ln = Launch(main.fn, c, nw, 1, gluon_maxnreg(cfg.bm, nw, self.gluon_sync), pdl=self.pdl)
         self.launches[key] = ln
         return ln
 
@@ -1347,8 +1381,9 @@ class GeometryPlans:
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", GLUON_WIDTHS["gemm1"], "stages1", 2 * cfg.bn1, cfg.warps1)
                 ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, ZERO_ACC=acc_zero_mode(cfg), **_cols(c1),
-                                                    **GK.layouts(2 * cfg.bn1, cfg.bm, cfg.warps1)),
-                        cfg.warps1, 1, gluon_maxnreg(cfg.bm, cfg.warps1))
+                                                    **self._gluon_fold(),
+                                                    **GK.layouts(2 * cfg.bn1, cfg.bm, cfg.warps1, self.gluon_sync)),
+                        cfg.warps1, 1, gluon_maxnreg(cfg.bm, cfg.warps1, self.gluon_sync))
             else:
                 self._check_dot(cfg, kind)
                 ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
@@ -1358,9 +1393,9 @@ class GeometryPlans:
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", GLUON_WIDTHS["gemm2"], "stages2", cfg.bn2, cfg.warps2)
-                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **_cols(c1),
-                                                    **GK.layouts(cfg.bn2, cfg.bm, cfg.warps2)),
-                        cfg.warps2, 1, gluon_maxnreg(cfg.bm, cfg.warps2))
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **_cols(c1), **self._gluon_fold(),
+                                                    **GK.layouts(cfg.bn2, cfg.bm, cfg.warps2, self.gluon_sync)),
+                        cfg.warps2, 1, gluon_maxnreg(cfg.bm, cfg.warps2, self.gluon_sync))
             else:
                 self._check_dot(cfg, kind)
                 ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
@@ -1371,12 +1406,16 @@ class GeometryPlans:
         self.launches[key] = ln
         return ln
 
+    def _gluon_fold(self) -> dict:
+        """The Gluon GEMMs' FOLD: on mma.sync the GEMV's (its asm, ``mma_fold``), else the PTX decode's."""
+        return dict(FOLD=self.mma_fold) if self.gluon_sync else {}
+
     def _check_gluon(self, cfg: Config, stage: str, bn_name: str, widths: tuple, st_name: str, rows: int,
                      warps: int) -> None:
         """A Gluon GEMM's requirements (``gluon_kernels``; its tile width and stages are ``cfg``'s fields
         ``bn_name`` and ``st_name``, its ``rows`` weight rows in ``warps`` warps), before anything compiles."""
         bn, stages = getattr(cfg, bn_name), getattr(cfg, st_name)
-        if (not self.ptx or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2
+        if (not (self.ptx or self.gluon_sync) or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2
                 or warps not in (rows // 16, rows // 32)):
             raise ValueError(f"b12x_ops triton backend: no Gluon {stage} for {cfg} (it needs the inline-PTX "
                              f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]}, an even "
@@ -1478,7 +1517,9 @@ class GeometryPlans:
             return cfg if form is None else mma_config(cfg, self.geometry, *form)
         if not self.gluon or cfg.gluon or cfg.gluon2:
             return cfg
-        f1, f2 = gluon_forms(cfg.bm, self.geometry, tokens)
+        if self.gluon_sync and cfg.bm > GLUON_SYNC_MAX_BM:
+            cfg = dataclasses.replace(cfg, bm=GLUON_SYNC_MAX_BM)  # (its GEMMs' tiles: the forms below)
+        f1, f2 = gluon_forms(cfg.bm, self.geometry, tokens, self.gluon_sync)
         if f1 is not None:
             cfg = dataclasses.replace(cfg, gluon=True, **f1)
         if f2 is not None:
@@ -1509,15 +1550,15 @@ def cache_dir(option: str | None = None) -> str:
     return option or os.environ.get("B12X_OPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "b12x_ops")
 
 
-def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False, mma=None) -> str:
+def cache_path(geometry, directory: str, gemv=None, ptx=False, gluon=False, mma=None, gluon_sync=False) -> str:
     g = geometry
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
     key = json.dumps([g.num_experts, g.hidden_size, g.intermediate_size, g.top_k, g.w13_layout, g.swiglu_limit is not None,
-                      g.has_global_scales, g.deterministic, dev, triton.__version__, 25, gemv, ptx, gluon,
-                      gluon if mma is None else mma,
+                      g.has_global_scales, g.deterministic, dev, triton.__version__, 26, gemv, ptx, gluon,
+                      gluon if mma is None else mma, gluon_sync,
                       HALF_MIN_BM if half_tiles(HALF_MIN_BM) else 0,
                       _quarter_min_bm()])
-    # (the version: 25 the tuner's mma.sync picks keep their loads in flight (``Config.window``; they had
+    # (the version: 26 the Gluon GEMMs on mma.sync off sm_90 (``gluon_sync``); 25 the tuner's mma.sync picks keep their loads in flight (``Config.window``; they had
     # none), and off sm_90 it times that GEMV up to ``GEMV_MMA_TUNE_MAX_TOKENS``; 24 the Gluon GEMMs' epilogues write 16 bytes a store or atomic (whole calls'
     # timings change); 23 the prologue's placement spread over placing programs (whole calls' timings
     # change); 22 long reductions' block sizes by the regimes, so their candidates too; 21 the
