@@ -153,7 +153,7 @@ if GK.HAS_GLUON:
         nrow = gl.load(blk_rows_ptr + pid_m)
         c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x = _sources(pid_m, t % NT, e, nrow, a_ptr, w_ptr, s_ptr, K, N,
                                                                     BM, BM, BN, BK, code_l, s5_l, x_l)
-        _prefill(ring, c_src, c_ok, x_rows, rvalid_x, N, BK, STAGES, code_l, x_l)
+        _prefill(ring, c_src, c_ok, x_rows, rvalid_x, N, BK, STAGES, code_l, x_l, STAGES - 2)
 
     @gluon.jit
     def _tile_loop(pid_m, pid_n, e, nrow, ring, a_ptr, w_ptr, s_ptr, K: gl.constexpr, N: gl.constexpr,

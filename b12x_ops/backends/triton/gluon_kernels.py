@@ -1,5 +1,6 @@
-"""The blocked GEMMs for large batches on Hopper, in Gluon (``triton.experimental.gluon``): the MMAs
-of one K step run while the next step's weights are decoded.
+"""The blocked GEMMs in Gluon (``triton.experimental.gluon``): on Hopper the MMAs of one K step run while
+the next step's weights are decoded; on other GPUs from sm_80 the same kernels on ``mma.sync`` (the last
+paragraph).
 
 ``kernels.gemm1_kernel`` and ``gemm2_kernel`` compute the same tiles with ``tl.dot``. There each
 step's MMAs finish before the next step's decode, so the decode and the tensor cores take turns;
@@ -47,9 +48,17 @@ data. The products, their order within a step and the epilogues' arithmetic are 
 kernels', so for the same tile and K step both write the same bits (``tests/test_triton_gpu.py``
 checks it on the GPU; Triton's CPU interpreter does not run Gluon).
 
-This module imports where the installed triton has Gluon with Hopper's wgmma (``HAS_GLUON``); the
-plans take the GEMMs from here on sm_90 only (``plan.gluon_status``), in the forms ``plan.gluon_forms``
-picks for a plan's block size (``Config.gluon``, ``Config.gluon2``).
+**Other GPUs** (``layouts(..., sync=True)``: an ``mma.sync.m16n8k16`` accumulator, whose layout over the
+``[R, BM]`` tile is wgmma's): the decode writes the same A fragments in place (as ``gluon_gemv``'s), each
+step loads its activations from the ring into mma.sync's B operand registers, and its MMAs are
+synchronous, so one register set serves every step and there is no wait to list. The ring, the copies,
+the barrier a step and the epilogues are the ones above. The kernels branch on the layout they are given
+(``_sync``).
+
+This module imports where the installed triton has Gluon with Hopper's wgmma and mma_v2 (``HAS_GLUON``);
+the plans take the GEMMs from here on sm_90, and on mma.sync on other GPUs from sm_80 where the GEMV runs
+there (``plan.gluon_status``), in the forms ``plan.gluon_forms`` picks for a plan's block size
+(``Config.gluon``, ``Config.gluon2``).
 """
 
 from __future__ import annotations
@@ -118,6 +127,14 @@ if HAS_GLUON:
         """Whether accumulator layout ``layout`` (or an operand layout of one) is mma.sync's (``layouts(...,
         sync=True)``), not wgmma's."""
         return (layout.parent if isinstance(layout, gl.DotOperandLayout) else layout).version[0] == 2
+
+    @gluon.constexpr_function
+    def _lead(stages, layout):
+        """How many steps ahead of the one multiplied a ring of ``stages`` buffers copies (for MMAs of
+        ``layout``, ``_sync``). A step refills the buffers of a step every warp is done with, as the barrier
+        at its top shows: wgmma's MMAs of the previous step may still read theirs (``stages - 2``);
+        mma.sync's have read their operands before any warp reaches the barrier (``stages - 1``)."""
+        return stages - 1 if _sync(layout) else stages - 2
 
     @gluon.constexpr_function
     def _b_operand_of(a_l):
@@ -195,7 +212,7 @@ if HAS_GLUON:
         copies (``_prefill``) and the steps (``_steps``)."""
         ring = _ring(R, BM, BK, STAGES)
         c_src, c_ok, s_src, sblk = _operand_sources(w_g, gvalid, s_row, R, BK, code_l, s5_l)
-        _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED, BK, STAGES, code_l, x_l)
+        _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED, BK, STAGES, code_l, x_l, _lead(STAGES, mma))
         return _steps(ring, c_src, c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, mma, a_l,
                       code_l, p7, x_l)
 
@@ -231,15 +248,15 @@ if HAS_GLUON:
 
     @gluon.jit
     def _prefill(ring, c_src, c_ok, x_rows, rvalid_x, RED: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 code_l: gl.constexpr, x_l: gl.constexpr):
-        """The first STAGES - 2 steps' copies into the ring's first buffers, a group each (an empty
+                 code_l: gl.constexpr, x_l: gl.constexpr, D: gl.constexpr):
+        """The first ``D`` steps' copies (``_lead``) into the ring's first buffers, a group each (an empty
         group past the reduction's end)."""
         BKH: gl.constexpr = BK // 2
         KH: gl.constexpr = RED // 2
         NQ: gl.constexpr = (KH + 31) // 32
         offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
         q_c = gl.arange(0, BK // 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
-        for i0 in gl.static_range(STAGES - 2):
+        for i0 in gl.static_range(D):
             if i0 * BK < RED:
                 _copies(i0 * BK, ring[i0], c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)
             async_copy.commit_group()
@@ -252,7 +269,7 @@ if HAS_GLUON:
         the ring drained (every copy landed, every warp past its reads)."""
         BKH: gl.constexpr = BK // 2
         KS: gl.constexpr = RED // 32
-        D: gl.constexpr = STAGES - 2
+        D: gl.constexpr = _lead(STAGES, mma)
         NSTEP: gl.constexpr = (RED + BK - 1) // BK
         sb = _load_scales(s_src, s_ok & (sblk < KS), KS % 2 == 0)  # (scale bytes: a step ahead)
         acc = gl.zeros([R, BM], gl.float32, layout=mma)
@@ -331,7 +348,8 @@ if HAS_GLUON:
               RED: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               FOLD: gl.constexpr, a_l: gl.constexpr, code_l: gl.constexpr, p7: gl.constexpr, x_l: gl.constexpr):
         """``_mainloop``'s step at reduction element ``k0``: wait for its copies (in ``cur``), start the
-        copies of the step STAGES - 2 ahead (into ``nxt``, the buffers of the step two back), decode
+        copies of the step ``_lead`` ahead (into ``nxt``, the buffers of the step two back on wgmma, the
+        previous step's on mma.sync), decode
         (the previous step's MMAs still run), issue the two MMAs on the decoded registers, load the
         next step's scale bytes. Returns ``(acc, next scale bytes, even operand, odd operand)``: the
         caller keeps the operands live until a wait covers the MMAs."""
@@ -341,14 +359,15 @@ if HAS_GLUON:
         KH: gl.constexpr = RED // 2
         KS: gl.constexpr = RED // 32
         NQ: gl.constexpr = (KH + 31) // 32
-        D: gl.constexpr = STAGES - 2
+        D: gl.constexpr = _lead(STAGES, a_l)
         offs_hx = gl.arange(0, BKH, layout=gl.SliceLayout(0, x_l))
         q_c = gl.arange(0, Q, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, code_l))))
         # this step's copies have landed once every thread's have (a thread waits for its own, the
         # barrier for the others'). The barrier also means every warp has waited for the MMAs of the
         # step two back (the wait after the previous step), whose buffers ``nxt`` are, so the copies
-        # may refill them now. (cp.async writes need no proxy fence before wgmma reads them once
-        # waited for and met at a barrier: Triton's own tl.dot pipelines do the same.)
+        # may refill them now (on mma.sync: every warp has read the previous step's, ``_lead``).
+        # (cp.async writes need no proxy fence before wgmma reads them once waited for and met at a
+        # barrier: Triton's own tl.dot pipelines do the same.)
         async_copy.wait_group(D - 1)
         _barrier()
         _copies(k0 + D * BK, nxt, c_src, c_ok, x_rows, rvalid_x, offs_hx, q_c, KH, NQ)

@@ -258,11 +258,13 @@ def gluon_maxnreg(bm: int, warps: int, sync: bool = False) -> int | None:
 # 1.4-1.9x slower than sm_90's (an H100 standing in, ``benchmarks/results/gemv_mma_off_hopper_h100.md``). So
 # every blocked plan takes them, in the forms whose shared memory fits every such GPU's 99 KB a block
 # (sm_86, sm_89, sm_120; the 16-warp forms of 128 columns need 128 KB and more): GLUON_SYNC_FORMS by
-# block size, the 16-row forms of 4 warps and six stages, the 8-warp forms from 32 rows. Plans of larger
+# block size, the 16-row forms in 4 warps, the 8-warp forms from 32 rows. Their copies run one step further
+# ahead than wgmma's (``gluon_kernels._lead``: stages - 1), so the 16-row forms take four stages where sm_90's
+# take six (3 steps in flight, 24 KB: four programs in 99 KB where six stages' 36 KB fit two). Plans of larger
 # blocks take GLUON_SYNC_MAX_BM rows: mma.sync reads the activations from registers, so 128-row blocks
 # hold a step's [32, 128] tile of them besides the accumulator (150-181 registers, one 8-warp program an SM,
 # compiled for sm_89) where 64-row blocks take 72-110.
-GLUON_SYNC_FORMS = {16: (GLUON_GEMM1_16, GLUON_GEMM2_16)}
+GLUON_SYNC_FORMS = {16: (dict(GLUON_GEMM1_16, stages1=4), dict(GLUON_GEMM2_16, stages2=4))}
 GLUON_SYNC_DEFAULT = (GLUON_GEMM1_SMALL, GLUON_GEMM2_SMALL)
 GLUON_SYNC_MAX_BM = 64
 
@@ -965,10 +967,13 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False, mma
         for bm, g1, g2 in cands:
             if bm >= GLUON_TUNE_MIN_BM and (bm <= GLUON_SYNC_MAX_BM or not gluon_sync):
                 c = Config(bm, *g1, *g2, _atomic(tokens, geometry))
-                narrow1, narrow2 = ((GLUON_GEMM1_16,), (GLUON_GEMM2_16,)) if bm == 16 or gluon_sync else ((), ())
-                wide1, wide2 = ((), ()) if gluon_sync else ((GLUON_GEMM1,), (GLUON_GEMM2,))
-                out += [dataclasses.replace(c, gluon=True, **f) for f in (GLUON_GEMM1_SMALL,) + wide1 + narrow1]
-                out += [dataclasses.replace(c, gluon2=True, **f) for f in (GLUON_GEMM2_SMALL,) + wide2 + narrow2]
+                if gluon_sync:  # (the 8-warp forms and the 4-warp ones at every block size)
+                    forms1, forms2 = zip(GLUON_SYNC_DEFAULT, GLUON_SYNC_FORMS[16])
+                else:
+                    narrow1, narrow2 = ((GLUON_GEMM1_16,), (GLUON_GEMM2_16,)) if bm == 16 else ((), ())
+                    forms1, forms2 = (GLUON_GEMM1_SMALL, GLUON_GEMM1) + narrow1, (GLUON_GEMM2_SMALL, GLUON_GEMM2) + narrow2
+                out += [dataclasses.replace(c, gluon=True, **f) for f in forms1]
+                out += [dataclasses.replace(c, gluon2=True, **f) for f in forms2]
     return out
 
 
