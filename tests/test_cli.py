@@ -73,15 +73,16 @@ def test_info_says_how_triton_launches_and_why(info, monkeypatch):
     assert _field(info, fused).group(1).startswith("on: calls of the GEMV path outside CUDA-graph capture")
     monkeypatch.setenv("B12X_OPS_TRITON_GEMV_FUSED", "0")
     assert _field(_cli("info", "--device", "cpu").stdout, fused).group(1) == "off (B12X_OPS_TRITON_GEMV_FUSED=0)"
-    # the Gluon GEMMs (sm_90): on by default where they can run (not here, and the line says why); off when asked
+    # the Gluon GEMMs (wgmma on sm_90, mma.sync on other GPUs from sm_80): on by default where they can run (not
+    # here, and the line says why); off when asked
     gluon = r"^triton Gluon GEMMs: (.*)$"
     from b12x_ops.backends.triton import gluon_kernels as GK
 
     monkeypatch.setenv("B12X_OPS_TRITON_GLUON", "0")
     assert _field(_cli("info", "--device", "cpu").stdout, gluon).group(1) == "off (B12X_OPS_TRITON_GLUON=0)"
     why = ("off: TRITON_INTERPRET=1 (the interpreter does not run Gluon)" if os.environ.get("TRITON_INTERPRET") == "1"
-           else "off: needs an sm_90 CUDA device (got cpu)" if GK.HAS_GLUON
-           else "off: this triton has no Gluon with Hopper's wgmma")
+           else "off: needs a CUDA device (got cpu)" if GK.HAS_GLUON
+           else "off: this triton has no Gluon with Hopper's wgmma and mma_v2")
     assert _field(info, gluon).group(1) == why
     # the GEMV on mma.sync: on by default on sm_80 and newer (not here, and the line says why); off when asked
     mma = r"^triton GEMV on mma.sync: (.*)$"
