@@ -96,3 +96,6 @@ def test_untuned_launches_compile_off_hopper(offline, arch, name):
         assert ("griddepcontrol" in ptx) == (arch >= 90), what  # (PDL from sm_90 on)
         if ck.metadata.name.startswith(("gemm", "gemv")):
             assert "mma.sync" in ptx, what
+        if ck.metadata.name.endswith("_gluon_kernel"):  # (copies stages - 1 steps ahead: gluon_kernels._lead)
+            lead = ln.constexprs["STAGES"] - 1
+            assert f"cp.async.wait_group {lead - 1};" in ptx and f"cp.async.wait_group {lead - 2};" not in ptx, what
