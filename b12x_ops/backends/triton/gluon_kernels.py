@@ -299,17 +299,15 @@ if HAS_GLUON:
             we_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
             wo_b = gl.zeros([R, BKH], gl.bfloat16, layout=a_l)
             for p in gl.static_range(K1):
-                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set((K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b,
-                                                               ring[p], ring[(p + D) % STAGES], c_src, c_ok, s_src, s_ok,
-                                                               sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l,
-                                                               code_l, p7, x_l)
+                acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(
+                    (K1 - p) % 2 == 1, p * BK, acc, sb, we_a, wo_a, we_b, wo_b, ring[p], ring[(p + D) % STAGES], c_src,
+                    c_ok, s_src, s_ok, sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
             for kk in range(NSTEP // STAGES):
                 for s in gl.static_range(STAGES):
-                    acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a,
-                                                                   wo_a, we_b, wo_b, ring[(K1 + s) % STAGES],
-                                                                   ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok,
-                                                                   sblk, x_rows, rvalid_x, RED, R, BM, BK, STAGES, FOLD,
-                                                                   a_l, code_l, p7, x_l)
+                    acc, sb, we_a, wo_a, we_b, wo_b = _step_in_set(
+                        s % 2 == 1, (K1 + STAGES * kk + s) * BK, acc, sb, we_a, wo_a, we_b, wo_b,
+                        ring[(K1 + s) % STAGES], ring[(K1 + s + D) % STAGES], c_src, c_ok, s_src, s_ok, sblk, x_rows,
+                        rvalid_x, RED, R, BM, BK, STAGES, FOLD, a_l, code_l, p7, x_l)
             acc, we_a, wo_a, we_b, wo_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc, we_a, wo_a, we_b, wo_b])
         # every thread's copies (those past the last step write zeros) have landed and every warp is
         # past its last read of the ring before the caller's shared memory may reuse it

@@ -313,8 +313,8 @@ def gluon_status(device, ptx: bool = True, mma: bool | None = None) -> tuple[boo
             mma, why = gemv_mma_status(device)
         if not mma:
             return False, (why or "off: where the GEMV does not run on mma.sync (its decode is theirs)")
-        return True, (f"on, on mma.sync (sm_{cc[0]}{cc[1]}; Hopper's wgmma is sm_90's): the GEMMs of every blocked call "
-                      "run in Gluon, decoding with the inline-PTX asm into their operands in place "
+        return True, (f"on, on mma.sync (sm_{cc[0]}{cc[1]}; Hopper's wgmma is sm_90's): the GEMMs of every blocked "
+                      "call run in Gluon, decoding with the inline-PTX asm into their operands in place "
                       "(B12X_OPS_TRITON_GLUON=0 or ptx=False turns it off)")
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
