@@ -248,15 +248,16 @@ def geometry_plans(geo, arch: int, gemv=None, pdl: bool = False, gluon: bool = F
     """Dry plans of benchmark geometry ``geo`` with the choices a prepare on an ``arch`` GPU makes for a
     checkpoint of usual scales (bytes in [2, 128]): the folded inline-PTX decode on sm_90, Triton
     operations elsewhere (``plan.ptx_status``); ``pdl`` and ``gluon`` as asked, where that GPU takes them
-    (``plan.pdl_status``: sm_90 and newer; ``plan.gluon_status``: sm_90; the GEMV on mma.sync with its
-    folded asm, ``plan.gemv_mma_status``: sm_80 and newer)."""
+    (``plan.pdl_status``: sm_90 and newer; ``plan.gluon_status``: the GEMMs on wgmma on sm_90, on mma.sync
+    elsewhere with B12X_OPS_TRITON_GLUON_SYNC=1; the GEMV on mma.sync with its folded asm,
+    ``plan.gemv_mma_status``: sm_80 and newer)."""
     ptx = P._ptx_decision((arch // 10, arch % 10), True, None)[0]
     gp = P.GeometryPlans(_geometry(geo), True, gemv, ptx=ptx, dry=True, fold=ptx, pdl=pdl and arch >= 90)
     gp.ptx = gp.fold = ptx  # (the constructor's choice is this machine's: off under TRITON_INTERPRET=1)
     gp.dot_dtype = triton.language.bfloat16  # (the constructor's is fp32 under TRITON_INTERPRET=1)
     gp.mma = gp.mma_fold = gluon and (arch // 10, arch % 10) >= P.GEMV_MMA_MIN_CAPABILITY
-    gp.gluon = gluon and (arch == 90 or gp.mma)
-    gp.gluon_sync = gp.gluon and arch != 90  # (off sm_90 the Gluon GEMMs on mma.sync)
+    gp.gluon = gluon and (arch == 90 or (gp.mma and P.gluon_sync_on()))
+    gp.gluon_sync = gp.gluon and arch != 90  # (off sm_90 the Gluon GEMMs on mma.sync: B12X_OPS_TRITON_GLUON_SYNC=1)
     gp.mma_pdl = gp.pdl  # (``plan.gemv_mma_pdl``: as the other launches')
     return gp
 

@@ -299,20 +299,22 @@ def test_gpu_cuda_graph_capture_replays_new_inputs():
         assert rel_l2(out, want) <= 1e-2
 
 
-@pytest.mark.parametrize("cc", [(8, 9), (12, 0)])
-def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, monkeypatch):
+@pytest.mark.parametrize("cc, sync", [((8, 9), False), ((8, 9), True), ((12, 0), True)])
+def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, sync, monkeypatch):
     """The launches a prepare on an sm_89 GPU (no programmatic dependent launch) or an sm_120 one forced onto
     ``backend="triton"`` (with it) takes, run on this GPU standing in (``plan._capability`` answers ``cc``, as
     ``bench_moe.py --as-sm``): the GEMV on mma.sync with the asm decode at every token count it serves, and
-    above it the Gluon GEMMs on mma.sync (``plan.GLUON_SYNC_FORMS``, blocks of at most
-    ``GLUON_SYNC_MAX_BM`` rows, their half tiles among them). Against the reference at 1-8 tokens and three
-    blocked counts, eager (three launches: no one-launch form off sm_90) and captured in a CUDA graph
+    above it the tl.dot GEMMs with the Triton-operations decode (the default) or with ``sync``
+    (``B12X_OPS_TRITON_GLUON_SYNC=1``) the Gluon GEMMs on mma.sync (``plan.GLUON_SYNC_FORMS``, blocks of at
+    most ``GLUON_SYNC_MAX_BM`` rows, their half tiles among them). Against the reference at 1-8 tokens and
+    three blocked counts, eager (three launches: no one-launch form off sm_90) and captured in a CUDA graph
     replaying new inputs, with the same bits either way (``tests/test_compile_off_hopper.py`` compiles them
     for that GPU)."""
     from b12x_ops.backends.triton import plan as P
 
     real = P._capability
     monkeypatch.setattr(P, "_capability", lambda device: None if real(device) is None else cc)
+    monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC", "1" if sync else "0")
     if not P.gemv_mma_status(torch.device("cuda"))[0]:
         pytest.skip(P.gemv_mma_status(torch.device("cuda"))[1])
     for name in ("qwen3-30b-a3b", "odd-ep"):
@@ -322,13 +324,16 @@ def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, monkeypatch
         gp = h._state.plans
         top_k = gp.geometry.top_k
         assert gp.mma and not gp.ptx and gp.mma_pdl == (cc >= (9, 0) and P.K_.HAS_GDC), name
-        assert gp.gluon and gp.gluon_sync, name
+        assert gp.gluon == gp.gluon_sync == sync, name
         assert not gp.eager_runners  # (no one-launch GEMV off sm_90, and the blocked plans have none)
         for M in (1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 300):
             cap, cfg = gp.plan_for(M)
             serves = M <= P.GEMV_MMA_MAX_TOKENS and M * top_k <= P.GEMV_MMA_MAX_SLOTS
             assert cfg.gemv == cfg.mma == serves, (name, M, cfg)
-            assert serves or (cfg.gluon and cfg.gluon2 and cfg.bm <= P.GLUON_SYNC_MAX_BM), (name, M, cfg)
+            if sync:
+                assert serves or (cfg.gluon and cfg.gluon2 and cfg.bm <= P.GLUON_SYNC_MAX_BM), (name, M, cfg)
+            else:
+                assert not (cfg.gluon or cfg.gluon2), (name, M, cfg)
             x, ids, w = make_batch(layer, M, seed=70 + M, device="cuda", padding_rows=min(1, M // 4))
             want = b12x_ops.moe_w4a8(x, ids, w, ref)
             out = torch.empty_like(x)

@@ -267,6 +267,14 @@ def gluon_maxnreg(bm: int, warps: int, sync: bool = False) -> int | None:
 GLUON_SYNC_FORMS = {16: (dict(GLUON_GEMM1_16, stages1=4), dict(GLUON_GEMM2_16, stages2=4))}
 GLUON_SYNC_DEFAULT = (GLUON_GEMM1_SMALL, GLUON_GEMM2_SMALL)
 GLUON_SYNC_MAX_BM = 64
+# They have not run on a GPU yet (compiled only, ``tests/test_compile_off_hopper.py``), so they are off by
+# default: B12X_OPS_TRITON_GLUON_SYNC=1 turns them on (``tests/test_triton_gpu.py`` runs them on an sm_90 GPU
+# standing in for the others; ``bench_moe.py --as-sm 89`` times them there).
+
+
+def gluon_sync_on() -> bool:
+    """Whether GPUs other than sm_90 take the Gluon GEMMs on mma.sync (``B12X_OPS_TRITON_GLUON_SYNC=1``)."""
+    return os.environ.get("B12X_OPS_TRITON_GLUON_SYNC", "0") == "1"
 
 
 def gluon_forms(bm: int, geometry=None, tokens: int | None = None,
@@ -313,9 +321,12 @@ def gluon_status(device, ptx: bool = True, mma: bool | None = None) -> tuple[boo
             mma, why = gemv_mma_status(device)
         if not mma:
             return False, (why or "off: where the GEMV does not run on mma.sync (its decode is theirs)")
+        if not gluon_sync_on():
+            return False, (f"off by default on sm_{cc[0]}{cc[1]}: the GEMMs in Gluon on mma.sync have not yet run on a "
+                           "GPU (B12X_OPS_TRITON_GLUON_SYNC=1 turns them on; Hopper's wgmma ones are sm_90's)")
         return True, (f"on, on mma.sync (sm_{cc[0]}{cc[1]}; Hopper's wgmma is sm_90's): the GEMMs of every blocked "
                       "call run in Gluon, decoding with the inline-PTX asm into their operands in place "
-                      "(B12X_OPS_TRITON_GLUON=0 or ptx=False turns it off)")
+                      "(B12X_OPS_TRITON_GLUON_SYNC=1; B12X_OPS_TRITON_GLUON=0 or ptx=False turns it off)")
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
     return True, (f"on: the GEMMs of blocked calls with expert blocks of {GLUON_MIN_BM} rows or more run in Gluon, "
