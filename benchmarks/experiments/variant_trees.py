@@ -41,8 +41,9 @@ GEMM2_ST6 = "GLUON_GEMM2 = dict(bn2=256, bk2=64, stages2=6, warps2=16)"
 GEMM2_8W = "GLUON_GEMM2 = dict(bn2=128, bk2=64, stages2=4, warps2=8)"
 GEMM1 = "GLUON_GEMM1 = dict(bn1=128, bk1=64, stages1=4, warps1=16)"
 GEMM1_8W = "GLUON_GEMM1 = dict(bn1=64, bk1=64, stages1=4, warps1=8)"
-CAP = "    return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 else None"
-CAP_128 = "    return 128 if (bm, warps) == (128, 8) else GLUON_BM64_MAXNREG if (bm, warps) == (64, 8) else None"
+CAP = "    return GLUON_BM64_MAXNREG if bm == 64 and warps == 8 and not sync else None"
+CAP_128 = ("    return 128 if (bm, warps) == (128, 8) else GLUON_BM64_MAXNREG if (bm, warps) == (64, 8) and not sync "
+           "else None")
 
 VARIANTS = {
     "noepi": [(GK, MASK, MASK_OFF)],
