@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, then the benchmark. Results land under $OUT (or ./out).
-# usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all|offhopper] [extra bench args...]
+# usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all|offhopper|sync16] [extra bench args...]
 # offhopper: other GPUs' plans on this one standing in (an sm_89 GPU's): their GPU test, then the whole op with the
 # tl.dot GEMMs (the default there) and with the Gluon GEMMs on mma.sync (B12X_OPS_TRITON_GLUON_SYNC=1) in one run
 # (benchmarks/compare_trees.sh; results under $OUT/tl and $OUT/sync).
+# sync16: on sm_90, the 16-row plans' GEMMs on mma.sync (B12X_OPS_TRITON_GLUON_SYNC16=1): their GPU test, then the
+# whole op at 8-128 tokens with and without them in one run (results under $OUT/wgmma and $OUT/sync16).
 # ptests: the whole GPU suite in thirteen processes at once (its time is mostly compiling, on the CPU:
 # about 4-6 minutes on the H100/H200 machines against 15 or more in one process; each process stops at
 # PTESTS_TIMEOUT, default 400 s), one log.
@@ -43,6 +45,13 @@ if [ "$what" = offhopper ]; then
   OUT="$OUT" bash benchmarks/compare_trees.sh tl=.:B12X_OPS_TRITON_GLUON_SYNC=0 sync=.:B12X_OPS_TRITON_GLUON_SYNC=1 -- \
     "${peers[@]}" --no-tune --layers 4 --reps 10 --bf16-layers 0 --as-sm 89 --diagnose \
     --geometries qwen3-30b-a3b dsv4.1-tp4 gpt-oss-120b --sizes 8 16 32 64 128 512 2048 8192 "$@" 2>&1 | tail -80
+fi
+if [ "$what" = sync16 ]; then
+  timeout 240 python3 -m pytest tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider -k sync16 2>&1 | tee "$OUT/gpu_tests.log" | tail -20
+  peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)
+  OUT="$OUT" bash benchmarks/compare_trees.sh wgmma=.:B12X_OPS_TRITON_GLUON_SYNC16=0 sync16=.:B12X_OPS_TRITON_GLUON_SYNC16=1 -- \
+    "${peers[@]}" --no-tune --layers 4 --reps 10 --bf16-layers 0 --diagnose \
+    --geometries qwen3-30b-a3b dsv4.1-tp4 gpt-oss-120b --sizes 8 16 32 64 128 "$@" 2>&1 | tail -60
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)

@@ -348,6 +348,43 @@ def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, sync, monke
                 assert torch.equal(out, b12x_ops.moe_w4a8(x, ids, w, h)), (name, cc, M)  # (eager: the same bits)
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "odd-ep"])
+def test_gpu_sync16_plans_on_sm90_match_the_reference(name, monkeypatch):
+    """With ``B12X_OPS_TRITON_GLUON_SYNC16=1`` an sm_90 GPU's untuned plans of 16-row blocks run both GEMMs in
+    Gluon on mma.sync (``plan.gluon_sync16_on``, ``GLUON_SYNC_FORMS``), the others as before (wgmma from 32
+    rows): against the reference at 9-128 tokens, eager and captured in a CUDA graph replaying new inputs,
+    with the same bits either way where the reduction is deterministic."""
+    from b12x_ops.backends.triton import plan as P
+
+    if not (P.gluon_status(torch.device("cuda"))[0] and P._capability(torch.device("cuda")) == (9, 0)):
+        pytest.skip("needs an sm_90 GPU that runs the Gluon GEMMs")
+    monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC16", "1")
+    layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
+    ref = layer.prepare(backend="reference")
+    h = layer.prepare(backend="triton", tune=False, max_tokens=128)
+    gp = h._state.plans
+    assert gp.sync16 and not gp.gluon_sync, name
+    seen = set()
+    for M in (9, 13, 16, 40, 64, 128):
+        cap, cfg = gp.plan_for(M)
+        if cfg.gemv:
+            continue
+        assert cfg.sync == (cfg.bm == 16) and (cfg.gluon and cfg.gluon2 if cfg.sync else True), (name, M, cfg)
+        seen.add(cfg.sync)
+        x, ids, w = make_batch(layer, M, seed=90 + M, device="cuda", padding_rows=M % 3)
+        want = b12x_ops.moe_w4a8(x, ids, w, ref)
+        out = torch.empty_like(x)
+        b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+        assert rel_l2(out, want) <= 1e-2, (name, M, rel_l2(out, want))
+        torch.cuda.synchronize()
+        _assert_graph_replays_new_inputs(lambda: b12x_ops.moe_w4a8_out(x, ids, w, h, out), layer, ref, x, ids, w,
+                                         out, (190 + M,))
+        torch.cuda.synchronize()
+        if gp.geometry.deterministic:
+            assert torch.equal(out, b12x_ops.moe_w4a8(x, ids, w, h)), (name, M)
+    assert True in seen, name  # (some count ran the 16-row plans on mma.sync)
+
+
 @pytest.mark.parametrize("name", ["gpt-oss-120b", "dsv4-tp4", "qwen3-30b-a3b"])
 def test_gpu_gemv_path_serves_up_to_eight_tokens_eager_and_captured(name):
     """Where the GEMV runs on mma.sync, untuned plans of 5-8 tokens take the GEMV path up to 48 slots

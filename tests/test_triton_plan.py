@@ -270,6 +270,36 @@ def test_gluon_gemms_on_mma_sync_take_every_blocked_plan_in_forms_that_fit_99_kb
 
 
 @pytest.mark.parametrize("name", list(GEOS))
+def test_sync16_puts_sm90s_16_row_plans_on_mma_sync_and_nothing_else(name):
+    """On sm_90 with ``B12X_OPS_TRITON_GLUON_SYNC16=1`` (``GeometryPlans.sync16``) every untuned plan of 16-row
+    blocks runs both GEMMs in Gluon on mma.sync (``Config.sync``, the forms of ``GLUON_SYNC_FORMS[16]``,
+    mma.sync's layouts and the GEMV's fold); plans of larger blocks keep their wgmma forms and the GEMV path
+    its plans; without it nothing runs on mma.sync. A config's ``sync`` is in its launches' keys."""
+    g = geometry(*GEOS[name])
+    plain = P.GeometryPlans(g, True, None, ptx=True, dry=True)
+    plain.gluon = plain.mma = plain.mma_fold = True  # (as an sm_90 prepare sets them)
+    on = P.GeometryPlans(g, True, None, ptx=True, dry=True)
+    on.gluon = on.mma = on.mma_fold = on.sync16 = True  # (... with B12X_OPS_TRITON_GLUON_SYNC16=1)
+    bms = set()
+    for tokens in (8, 16, 64, 128, 512, 2048, 8192):
+        before, after = plain.default(tokens), on.default(tokens)
+        assert not before.sync
+        if before.gemv or before.bm != 16:
+            assert after == before, (tokens, after)
+            continue
+        bms.add(tokens)
+        f1, f2 = P.GLUON_SYNC_FORMS[16]
+        assert after == dataclasses.replace(before, gluon=True, gluon2=True, sync=True, **f1, **f2), (tokens, after)
+        for ln, was in zip(on.stages(after, tokens)[1:3], plain.stages(before, tokens)[1:3]):
+            assert list(ln.constexprs["mma"].version) == [2, 0] and ln.constexprs["FOLD"] is True
+            assert ln.options.get("maxnreg") is None and ln is not was
+    assert bms  # (some count of each geometry plans 16-row blocks)
+    cfg = on.default(min(bms))
+    assert on.launch("gemm1", cfg) is not on.launch("gemm1", dataclasses.replace(cfg, sync=False))
+    assert not P.gluon_sync16_on()  # (off unless asked)
+
+
+@pytest.mark.parametrize("name", list(GEOS))
 def test_the_accumulator_is_zeroed_once_by_gluon_gemm1_or_the_prologue(name, monkeypatch):
     """GEMM2's fp32 accumulator is zeroed by exactly one launch of an atomic blocked plan: the
     Gluon GEMM1 where the plan has it (``acc_zero_mode``: before its main loop or after its

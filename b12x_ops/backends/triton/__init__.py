@@ -307,7 +307,8 @@ def _tune_one(state, cap):
         t1 = {}
         t2 = {}
         for c in group:
-            k1, k2 = (c.tiles1(), c.gluon), (c.tiles2(), c.gluon2)  # (a Gluon GEMM and tl.dot's of one tile differ)
+            # (a Gluon GEMM and tl.dot's of one tile differ, and so do its wgmma and mma.sync forms)
+            k1, k2 = (c.tiles1(), c.gluon, c.gluon and c.sync), (c.tiles2(), c.gluon2, c.gluon2 and c.sync)
             try:
                 if k1 not in t1:
                     t1[k1] = _time_ms(lambda: _launch_all(state, c, x, ids, w, out, stages=st1), flush)
@@ -323,7 +324,7 @@ def _tune_one(state, cap):
             continue
         # (the group's loads in flight a program, ``Config.window``: one for all its mma.sync candidates)
         pick = dataclasses.replace(P.Config.of(bm, b1[0], b2[0], group[0].atomic, gemv=gemv), gluon=b1[1],
-                                   gluon2=b2[1], mma=mma, window=group[0].window)
+                                   gluon2=b2[1], sync=b1[2] or b2[2], mma=mma, window=group[0].window)
         gp.reserve(cap, pick)
         total = _time_ms(lambda: _launch_all(state, pick, x, ids, w, out), flush)
         if best is None or total < best[0]:

@@ -101,6 +101,10 @@ class Config:
     # Untuned plans set them by block size (``gluon_forms``)
     gluon: bool = False
     gluon2: bool = False
+    # the Gluon GEMMs on mma.sync (``gluon_kernels.layouts(..., sync=True)``) instead of wgmma: every Gluon
+    # GEMM of a GPU other than sm_90 (``GeometryPlans.gluon_sync``), and on sm_90 those of 16-row blocks
+    # with B12X_OPS_TRITON_GLUON_SYNC16=1 (``gluon_sync16_on``); the forms of ``GLUON_SYNC_FORMS``
+    sync: bool = False
     # the GEMV path on sm_90 only: gemv1 and gemv2 on mma.sync in Gluon (``gluon_gemv``), x quantized
     # first (xq), 64-row tiles of 4 warps, one pass of bk1 / 64 64-element chunks a program (split1 =
     # cdiv(cdiv(K, 64), bk1 / 64)) and of bk2 / 64 a slot's run (split2 = top_k * cdiv(cdiv(N, 64), bk2 / 64));
@@ -275,6 +279,18 @@ GLUON_SYNC_MAX_BM = 64
 def gluon_sync_on() -> bool:
     """Whether GPUs other than sm_90 take the Gluon GEMMs on mma.sync (``B12X_OPS_TRITON_GLUON_SYNC=1``)."""
     return os.environ.get("B12X_OPS_TRITON_GLUON_SYNC", "0") == "1"
+
+
+# On sm_90 the same mma.sync forms of 16-row blocks compile (offline, triton 3.9) to the wgmma forms'
+# instructions a weight (a step's main loop 159 against 163 SASS instructions for 64 weights a thread) at
+# half their registers (74-79 against 143-145: six programs an SM where three fit), and GEMM2 of 16-row
+# blocks, which stays tl.dot there, would take them too. The 16-row plans (8-128 tokens) are where the
+# HBM target is missed (62-75 %). Untimed, so off by default: B12X_OPS_TRITON_GLUON_SYNC16=1 puts both GEMMs
+# of every untuned 16-row plan on them (the tuner does not time them there; ``bash benchmarks/h200_session.sh
+# sync16`` times them against the default).
+def gluon_sync16_on() -> bool:
+    """Whether sm_90's plans of 16-row blocks take the Gluon GEMMs on mma.sync (``B12X_OPS_TRITON_GLUON_SYNC16=1``)."""
+    return os.environ.get("B12X_OPS_TRITON_GLUON_SYNC16", "0") == "1"
 
 
 def gluon_forms(bm: int, geometry=None, tokens: int | None = None,
@@ -983,8 +999,8 @@ def candidate_configs(tokens: int, geometry, gemv=None, gluon: bool = False, mma
                 else:
                     narrow1, narrow2 = ((GLUON_GEMM1_16,), (GLUON_GEMM2_16,)) if bm == 16 else ((), ())
                     forms1, forms2 = (GLUON_GEMM1_SMALL, GLUON_GEMM1) + narrow1, (GLUON_GEMM2_SMALL, GLUON_GEMM2) + narrow2
-                out += [dataclasses.replace(c, gluon=True, **f) for f in forms1]
-                out += [dataclasses.replace(c, gluon2=True, **f) for f in forms2]
+                out += [dataclasses.replace(c, gluon=True, sync=gluon_sync, **f) for f in forms1]
+                out += [dataclasses.replace(c, gluon2=True, sync=gluon_sync, **f) for f in forms2]
     return out
 
 
@@ -1226,6 +1242,8 @@ class GeometryPlans:
         # decoding as the mma.sync GEMV does)
         self.gluon = False if dry else gluon_status(g.device, self.ptx, self.mma)[0]
         self.gluon_sync = bool(self.gluon and _capability(g.device) != (9, 0))
+        # ... and on sm_90, with B12X_OPS_TRITON_GLUON_SYNC16=1, those of 16-row blocks on mma.sync
+        self.sync16 = bool(self.gluon and not self.gluon_sync and self.mma and gluon_sync16_on())
         self.mma_pdl = gemv_mma_pdl(g.device)  # (the mma.sync GEMV's launches)
 
     # ---- per call
@@ -1286,16 +1304,16 @@ class GeometryPlans:
         bn, warps = (cfg.bn1, cfg.warps1) if kind == "gemm1" else (cfg.bn2, cfg.warps2)
         nw = warps * w // bn
         key = ("edge", kind, main.constexprs["BM"], w, main.constexprs["BK"], nw, main.constexprs["STAGES"],
-               main.constexprs.get("ATOMIC"), main.constexprs["HALF"], c0)
+               main.constexprs.get("ATOMIC"), main.constexprs["HALF"], c0, cfg.sync)
         hit = self.launches.get(key)
         if hit is not None:
             return hit
         rows = 2 * w if kind == "gemm1" else w
         c = {k: v for k, v in main.constexprs.items() if k != "PDL"}
-        c.update(BN=w, C0=c0, C1=0, **GK.layouts(rows, cfg.bm, nw, self.gluon_sync))
+        c.update(BN=w, C0=c0, C1=0, **GK.layouts(rows, cfg.bm, nw, cfg.sync))
         if kind == "gemm1":
             c["ZERO_ACC"] = 0
-        ln = Launch(main.fn, c, nw, 1, gluon_maxnreg(cfg.bm, nw, self.gluon_sync), pdl=self.pdl)
+        ln = Launch(main.fn, c, nw, 1, gluon_maxnreg(cfg.bm, nw, cfg.sync), pdl=self.pdl)
         self.launches[key] = ln
         return ln
 
@@ -1329,11 +1347,11 @@ class GeometryPlans:
         elif kind == "gemm2" and cfg.gemv:
             key = ("gemv2_mma", cfg.window) + cfg.tiles2() if cfg.mma else ("gemv2",) + cfg.tiles2()
         elif kind == "gemm1" and cfg.gluon:
-            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1, acc_zero_mode(cfg))
+            key = ("gemm1_gluon", cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, cfg.stages1, acc_zero_mode(cfg), cfg.sync)
         elif kind == "gemm1":
             key = (kind, cfg.bm, cfg.bn1, cfg.bk1, cfg.warps1, _stages(cfg.bk1, cfg.stages1))
         elif kind == "gemm2" and cfg.gluon2:
-            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic)
+            key = ("gemm2_gluon", cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, cfg.stages2, cfg.atomic, cfg.sync)
         elif kind == "gemm2":
             key = (kind, cfg.bm, cfg.bn2, cfg.bk2, cfg.warps2, _stages(cfg.bk2, cfg.stages2), cfg.atomic)
         else:
@@ -1397,9 +1415,9 @@ class GeometryPlans:
             if cfg.gluon:
                 self._check_gluon(cfg, "GEMM1", "bn1", GLUON_WIDTHS["gemm1"], "stages1", 2 * cfg.bn1, cfg.warps1)
                 ln = mk(GK.gemm1_gluon_kernel, dict(g1, STAGES=cfg.stages1, ZERO_ACC=acc_zero_mode(cfg), **_cols(c1),
-                                                    **self._gluon_fold(),
-                                                    **GK.layouts(2 * cfg.bn1, cfg.bm, cfg.warps1, self.gluon_sync)),
-                        cfg.warps1, 1, gluon_maxnreg(cfg.bm, cfg.warps1, self.gluon_sync))
+                                                    **self._gluon_fold(cfg),
+                                                    **GK.layouts(2 * cfg.bn1, cfg.bm, cfg.warps1, cfg.sync)),
+                        cfg.warps1, 1, gluon_maxnreg(cfg.bm, cfg.warps1, cfg.sync))
             else:
                 self._check_dot(cfg, kind)
                 ln = mk(K_.gemm1_kernel, dict(g1, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
@@ -1409,9 +1427,9 @@ class GeometryPlans:
                       BN=cfg.bn2, BK=cfg.bk2, FOLD=self.fold, HALF=half)
             if cfg.gluon2:
                 self._check_gluon(cfg, "GEMM2", "bn2", GLUON_WIDTHS["gemm2"], "stages2", cfg.bn2, cfg.warps2)
-                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **_cols(c1), **self._gluon_fold(),
-                                                    **GK.layouts(cfg.bn2, cfg.bm, cfg.warps2, self.gluon_sync)),
-                        cfg.warps2, 1, gluon_maxnreg(cfg.bm, cfg.warps2, self.gluon_sync))
+                ln = mk(GK.gemm2_gluon_kernel, dict(g2, STAGES=cfg.stages2, **_cols(c1), **self._gluon_fold(cfg),
+                                                    **GK.layouts(cfg.bn2, cfg.bm, cfg.warps2, cfg.sync)),
+                        cfg.warps2, 1, gluon_maxnreg(cfg.bm, cfg.warps2, cfg.sync))
             else:
                 self._check_dot(cfg, kind)
                 ln = mk(K_.gemm2_kernel, dict(g2, DOT_DTYPE=self.dot_dtype, PTX=self.ptx),
@@ -1422,16 +1440,16 @@ class GeometryPlans:
         self.launches[key] = ln
         return ln
 
-    def _gluon_fold(self) -> dict:
-        """The Gluon GEMMs' FOLD: on mma.sync the GEMV's (its asm, ``mma_fold``), else the PTX decode's."""
-        return dict(FOLD=self.mma_fold) if self.gluon_sync else {}
+    def _gluon_fold(self, cfg: Config) -> dict:
+        """``cfg``'s Gluon GEMMs' FOLD: on mma.sync the GEMV's (its asm, ``mma_fold``), else the PTX decode's."""
+        return dict(FOLD=self.mma_fold) if cfg.sync else {}
 
     def _check_gluon(self, cfg: Config, stage: str, bn_name: str, widths: tuple, st_name: str, rows: int,
                      warps: int) -> None:
         """A Gluon GEMM's requirements (``gluon_kernels``; its tile width and stages are ``cfg``'s fields
         ``bn_name`` and ``st_name``, its ``rows`` weight rows in ``warps`` warps), before anything compiles."""
         bn, stages = getattr(cfg, bn_name), getattr(cfg, st_name)
-        if (not (self.ptx or self.gluon_sync) or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2
+        if (not (self.mma if cfg.sync else self.ptx) or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2
                 or warps not in (rows // 16, rows // 32)):
             raise ValueError(f"b12x_ops triton backend: no Gluon {stage} for {cfg} (it needs the inline-PTX "
                              f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]}, an even "
@@ -1533,13 +1551,14 @@ class GeometryPlans:
             return cfg if form is None else mma_config(cfg, self.geometry, *form)
         if not self.gluon or cfg.gluon or cfg.gluon2:
             return cfg
-        if self.gluon_sync and cfg.bm > GLUON_SYNC_MAX_BM:
+        sync = self.gluon_sync or (self.sync16 and cfg.bm == 16)
+        if sync and cfg.bm > GLUON_SYNC_MAX_BM:
             cfg = dataclasses.replace(cfg, bm=GLUON_SYNC_MAX_BM)  # (its GEMMs' tiles: the forms below)
-        f1, f2 = gluon_forms(cfg.bm, self.geometry, tokens, self.gluon_sync)
+        f1, f2 = gluon_forms(cfg.bm, self.geometry, tokens, sync)
         if f1 is not None:
-            cfg = dataclasses.replace(cfg, gluon=True, **f1)
+            cfg = dataclasses.replace(cfg, gluon=True, sync=sync, **f1)
         if f2 is not None:
-            cfg = dataclasses.replace(cfg, gluon2=True, **f2)
+            cfg = dataclasses.replace(cfg, gluon2=True, sync=sync, **f2)
         return cfg
 
     def add(self, cap: int, cfg: Config) -> None:
