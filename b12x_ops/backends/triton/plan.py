@@ -94,9 +94,9 @@ class Config:
     xq: bool = False
     # the GEMV path without xq only: gemv1 and gemv2 as one launch (``kernels.gemv_fused_kernel``)
     fused: bool = False
-    # the blocked path on sm_90 only: GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``: bn1 = 64
-    # or 128 in warps1 = bn1 / 8 or bn1 / 16 warps, 16 or 32 weight rows a warp, an even stages1 >= 4),
-    # its MMAs asynchronous under the next step's decode; ``gluon2`` the same for GEMM2
+    # the blocked path: GEMM1 in Gluon (``gluon_kernels.gemm1_gluon_kernel``, on sm_90's wgmma or on mma.sync,
+    # ``sync``: bn1 = 64 or 128 in warps1 = bn1 / 8 or bn1 / 16 warps, 16 or 32 weight rows a warp, an even
+    # stages1 >= 4), its MMAs under the next step's decode; ``gluon2`` the same for GEMM2
     # (``gemm2_gluon_kernel``: bn2 = 128 or 256 in bn2 / 16 or bn2 / 32 warps, an even stages2 >= 4).
     # Untuned plans set them by block size (``gluon_forms``)
     gluon: bool = False
@@ -105,7 +105,7 @@ class Config:
     # GEMM of a GPU other than sm_90 (``GeometryPlans.gluon_sync``), and on sm_90 those of 16-row blocks
     # with B12X_OPS_TRITON_GLUON_SYNC16=1 (``gluon_sync16_on``); the forms of ``GLUON_SYNC_FORMS``
     sync: bool = False
-    # the GEMV path on sm_90 only: gemv1 and gemv2 on mma.sync in Gluon (``gluon_gemv``), x quantized
+    # the GEMV path (sm_80 and newer): gemv1 and gemv2 on mma.sync in Gluon (``gluon_gemv``), x quantized
     # first (xq), 64-row tiles of 4 warps, one pass of bk1 / 64 64-element chunks a program (split1 =
     # cdiv(cdiv(K, 64), bk1 / 64)) and of bk2 / 64 a slot's run (split2 = top_k * cdiv(cdiv(N, 64), bk2 / 64));
     # untuned plans set it by ``gemv_mma_form`` (``mma_config``)
@@ -260,7 +260,7 @@ def gluon_maxnreg(bm: int, warps: int, sync: bool = False) -> int | None:
 # ``mma.sync.m16n8k16`` (``gluon_kernels.layouts(..., sync=True)``), the activations from shared memory
 # into registers a step, and there the tl.dot GEMMs they replace decode with Triton operations (``ptx_status``),
 # 1.4-1.9x slower than sm_90's (an H100 standing in, ``benchmarks/results/gemv_mma_off_hopper_h100.md``). So
-# every blocked plan takes them, in the forms whose shared memory fits every such GPU's 99 KB a block
+# every blocked plan would take them (with B12X_OPS_TRITON_GLUON_SYNC=1, below), in the forms whose shared memory fits every such GPU's 99 KB a block
 # (sm_86, sm_89, sm_120; the 16-warp forms of 128 columns need 128 KB and more): GLUON_SYNC_FORMS by
 # block size, the 16-row forms in 4 warps, the 8-warp forms from 32 rows. Their copies run one step further
 # ahead than wgmma's (``gluon_kernels._lead``: stages - 1), so the 16-row forms take four stages where sm_90's
