@@ -312,9 +312,12 @@ def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, sync, monke
     for that GPU)."""
     from b12x_ops.backends.triton import plan as P
 
+    from b12x_ops.backends import triton as TB
+
     real = P._capability
     monkeypatch.setattr(P, "_capability", lambda device: None if real(device) is None else cc)
     monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC", "1" if sync else "0")
+    monkeypatch.setattr(TB, "_SHARED", {})  # (plans of their own, not a live handle's of this GPU)
     if not P.gemv_mma_status(torch.device("cuda"))[0]:
         pytest.skip(P.gemv_mma_status(torch.device("cuda"))[1])
     for name in ("qwen3-30b-a3b", "odd-ep"):
@@ -354,11 +357,13 @@ def test_gpu_sync16_plans_on_sm90_match_the_reference(name, monkeypatch):
     Gluon on mma.sync (``plan.gluon_sync16_on``, ``GLUON_SYNC_FORMS``), the others as before (wgmma from 32
     rows): against the reference at 9-128 tokens, eager and captured in a CUDA graph replaying new inputs,
     with the same bits either way where the reduction is deterministic."""
+    from b12x_ops.backends import triton as TB
     from b12x_ops.backends.triton import plan as P
 
     if not (P.gluon_status(torch.device("cuda"))[0] and P._capability(torch.device("cuda")) == (9, 0)):
         pytest.skip("needs an sm_90 GPU that runs the Gluon GEMMs")
     monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC16", "1")
+    monkeypatch.setattr(TB, "_SHARED", {})  # (plans of their own, not a live handle's without it)
     layer = make_layer(seed=sum(map(ord, name)), device="cuda", **GEOMETRIES[name])
     ref = layer.prepare(backend="reference")
     h = layer.prepare(backend="triton", tune=False, max_tokens=128)
