@@ -317,6 +317,37 @@ def test_gluon_gemms_compile_with_their_mmas_in_flight(offline, name, fold, monk
         assert any(re.search(r"\.v[24]\.", w) for w in writes), (what, sorted(set(writes)))
 
 
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_gluon_gemms_on_mma_sync_compile_for_sm90_at_half_the_registers(offline, name, monkeypatch):
+    """With ``B12X_OPS_TRITON_GLUON_SYNC16=1`` (``plan.gluon_sync16_on``) the 16-row plans' GEMMs are the Gluon
+    ones on mma.sync (``Config.sync``): for sm_90 they compile to ``mma.sync`` with no wgmma, the decode's asm
+    (the folded form), their copies ``stages - 1`` steps ahead (``gluon_kernels._lead``: ``cp.async.wait_group``
+    ``stages - 2`` a step), no local memory, and at most 96 registers (five programs an SM and more; the wgmma
+    forms of 16-row blocks take 143-145, ``benchmarks/results/sync16_sm90_offline.md``). Without it the
+    same counts run as before."""
+    import re
+
+    from b12x_ops.backends.triton import plan as P
+
+    plans = {}
+    for v in ("0", "1"):
+        monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC16", v)
+        plans[v] = offline.geometry_plans(GEOMETRIES[name], 90, pdl=True, gluon=True)
+    assert plans["1"].sync16 and not plans["0"].sync16
+    cfg = plans["1"].default(64)
+    assert cfg.bm == 16 and cfg.sync and cfg.gluon and cfg.gluon2, cfg
+    assert not plans["0"].default(64).sync
+    for ln in plans["1"].stages(cfg, 64)[1:3]:
+        ck = offline.compile_launch(ln, 90)
+        ptx, what = ck.asm["ptx"], (name, ck.metadata.name)
+        assert "mma.sync" in ptx and "wgmma" not in ptx, what
+        assert "0x81808180" in ptx and "0x7E807E80" not in ptx, what  # (the asm, folded: mma_fold)
+        waits = set(re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx))
+        assert waits == {str(ln.constexprs["STAGES"] - 2), "0"}, (what, waits)
+        res = offline.resources(ck.asm["cubin"], ck.metadata.name).replace(" ", "")
+        assert "LOCAL:0" in res and int(re.search(r"REG:(\d+)", res).group(1)) <= 96, (what, res)
+
+
 @pytest.mark.parametrize("shape", [(2048, 768), (2080, 800)])
 def test_gluon_kernels_load_scale_bytes_in_pairs_where_rows_have_an_even_count(offline, shape):
     """The Gluon GEMMs and GEMVs load a lane's scale bytes two at a time (a row's two 32-element blocks of
