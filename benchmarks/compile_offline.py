@@ -256,9 +256,7 @@ def geometry_plans(geo, arch: int, gemv=None, pdl: bool = False, gluon: bool = F
     gp.ptx = gp.fold = ptx  # (the constructor's choice is this machine's: off under TRITON_INTERPRET=1)
     gp.dot_dtype = triton.language.bfloat16  # (the constructor's is fp32 under TRITON_INTERPRET=1)
     gp.mma = gp.mma_fold = gluon and (arch // 10, arch % 10) >= P.GEMV_MMA_MIN_CAPABILITY
-    gp.gluon = gluon and (arch == 90 or (gp.mma and P.gluon_sync_on()))
-    gp.gluon_sync = gp.gluon and arch != 90  # (off sm_90 the Gluon GEMMs on mma.sync: B12X_OPS_TRITON_GLUON_SYNC=1)
-    gp.sync16 = gp.gluon and arch == 90 and gp.mma and P.gluon_sync16_on()  # (B12X_OPS_TRITON_GLUON_SYNC16=1)
+    gp.choose_gluon((arch // 10, arch % 10) if gluon else None)  # (as a prepare there: plan.gluon_status)
     gp.mma_pdl = gp.pdl  # (``plan.gemv_mma_pdl``: as the other launches')
     return gp
 

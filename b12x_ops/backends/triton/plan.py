@@ -323,18 +323,22 @@ def gluon_status(device, ptx: bool = True, mma: bool | None = None) -> tuple[boo
     """Whether plans on ``device`` take the Gluon GEMMs (``gluon_forms``), and why (``b12x-ops info``): on
     sm_90 on wgmma with the inline-PTX decode (``ptx``), elsewhere on mma.sync wherever the GEMV runs there
     (``mma``, ``gemv_mma_status``; None: its answer for the usual scales)."""
+    return _gluon_decision(_capability(device), ptx, mma, device)
+
+
+def _gluon_decision(cc, ptx: bool, mma: bool | None, device=None) -> tuple[bool, str]:
+    """``gluon_status`` for compute capability ``cc`` (None: no CUDA device)."""
     off = _gluon_switched_off()
     if off:
         return False, off
     if not GK.HAS_GLUON:
         return False, "off: this triton has no Gluon with Hopper's wgmma and mma_v2"
-    cc = _capability(device)
     if cc is None:
         return False, f"off: needs a CUDA device (got {device})"
     if cc != (9, 0):
         why = None
         if mma is None:
-            mma, why = gemv_mma_status(device)
+            mma, why = _gemv_mma_decision(cc, True, None, device)
         if not mma:
             return False, (why or "off: where the GEMV does not run on mma.sync (its decode is theirs)")
         if not gluon_sync_on():
@@ -1238,13 +1242,17 @@ class GeometryPlans:
         # the GEMV on mma.sync (``gemv_mma_status``: sm_80 and newer; its asm folds as the PTX decode does)
         self.mma = False if dry else _gemv_mma_decision(_capability(g.device), fast_scales, ptx)[0]
         self.mma_fold = bool(fold and self.mma)
-        # the Gluon GEMMs (``gluon_status``): on sm_90's wgmma, or elsewhere on mma.sync (``gluon_sync``,
-        # decoding as the mma.sync GEMV does)
-        self.gluon = False if dry else gluon_status(g.device, self.ptx, self.mma)[0]
-        self.gluon_sync = bool(self.gluon and _capability(g.device) != (9, 0))
-        # ... and on sm_90, with B12X_OPS_TRITON_GLUON_SYNC16=1, those of 16-row blocks on mma.sync
-        self.sync16 = bool(self.gluon and not self.gluon_sync and self.mma and gluon_sync16_on())
+        self.choose_gluon(None if dry else _capability(g.device))
         self.mma_pdl = gemv_mma_pdl(g.device)  # (the mma.sync GEMV's launches)
+
+    def choose_gluon(self, cc) -> None:
+        """The Gluon GEMMs of a GPU of capability ``cc`` (None: none), given ``ptx`` and ``mma``
+        (``gluon_status``): ``gluon`` on wgmma on sm_90 or elsewhere on mma.sync (``gluon_sync``, decoding as
+        the mma.sync GEMV does), and on sm_90 with B12X_OPS_TRITON_GLUON_SYNC16=1 those of 16-row blocks on
+        mma.sync (``sync16``)."""
+        self.gluon = _gluon_decision(cc, self.ptx, self.mma)[0]
+        self.gluon_sync = self.gluon and cc != (9, 0)
+        self.sync16 = self.gluon and not self.gluon_sync and self.mma and gluon_sync16_on()
 
     # ---- per call
     def cap_for(self, m: int) -> int:
