@@ -39,21 +39,21 @@ if [ "$what" = ptests ]; then
   done > "$OUT/gpu_tests.log"
   grep -v "^\.*$" "$OUT/gpu_tests.log"
 fi
+peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)
+# compare K VAR LABEL_OFF LABEL_ON [bench args...]: the GPU tests selected by -k K, then the whole op with VAR=0 and
+# VAR=1 in one run (benchmarks/compare_trees.sh)
+compare() {
+  local k=$1 var=$2 off=$3 on=$4; shift 4
+  timeout 240 python3 -m pytest tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider -k "$k" 2>&1 | tee "$OUT/gpu_tests.log" | tail -20
+  OUT="$OUT" bash benchmarks/compare_trees.sh "$off=.:$var=0" "$on=.:$var=1" -- "${peers[@]}" --no-tune --layers 4 \
+    --reps 10 --bf16-layers 0 --diagnose --geometries qwen3-30b-a3b dsv4.1-tp4 gpt-oss-120b "$@" 2>&1 | tail -80
+}
 if [ "$what" = offhopper ]; then
-  timeout 240 python3 -m pytest tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider -k other_gpus 2>&1 | tee "$OUT/gpu_tests.log" | tail -20
-  peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)
-  OUT="$OUT" bash benchmarks/compare_trees.sh tl=.:B12X_OPS_TRITON_GLUON_SYNC=0 sync=.:B12X_OPS_TRITON_GLUON_SYNC=1 -- \
-    "${peers[@]}" --no-tune --layers 4 --reps 10 --bf16-layers 0 --as-sm 89 --diagnose \
-    --geometries qwen3-30b-a3b dsv4.1-tp4 gpt-oss-120b --sizes 8 16 32 64 128 512 2048 8192 "$@" 2>&1 | tail -80
+  compare other_gpus B12X_OPS_TRITON_GLUON_SYNC tl sync --as-sm 89 --sizes 8 16 32 64 128 512 2048 8192 "$@"
 fi
 if [ "$what" = sync16 ]; then
-  timeout 240 python3 -m pytest tests/test_triton_gpu.py -q -rfEs -p no:cacheprovider -k sync16 2>&1 | tee "$OUT/gpu_tests.log" | tail -20
-  peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)
-  OUT="$OUT" bash benchmarks/compare_trees.sh wgmma=.:B12X_OPS_TRITON_GLUON_SYNC16=0 sync16=.:B12X_OPS_TRITON_GLUON_SYNC16=1 -- \
-    "${peers[@]}" --no-tune --layers 4 --reps 10 --bf16-layers 0 --diagnose \
-    --geometries qwen3-30b-a3b dsv4.1-tp4 gpt-oss-120b --sizes 8 16 32 64 128 "$@" 2>&1 | tail -60
+  compare sync16 B12X_OPS_TRITON_GLUON_SYNC16 wgmma sync16 --sizes 8 16 32 64 128 "$@"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  peers=(); [ -d .peers/triton_kernels ] && peers=(--triton-kernels .peers)
   python3 benchmarks/bench_moe.py "${peers[@]}" --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log"
 fi
