@@ -337,18 +337,8 @@ def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, sync, monke
                 assert serves or (cfg.gluon and cfg.gluon2 and cfg.bm <= P.GLUON_SYNC_MAX_BM), (name, M, cfg)
             else:
                 assert not (cfg.gluon or cfg.gluon2), (name, M, cfg)
-            x, ids, w = make_batch(layer, M, seed=70 + M, device="cuda", padding_rows=min(1, M // 4))
-            want = b12x_ops.moe_w4a8(x, ids, w, ref)
-            out = torch.empty_like(x)
-            b12x_ops.moe_w4a8_out(x, ids, w, h, out)
-            assert rel_l2(out, want) <= 1e-2, (name, cc, M, rel_l2(out, want))
-            torch.cuda.synchronize()
-            # (the replay leaves its new batch in x, ids, w and its output in out)
-            _assert_graph_replays_new_inputs(lambda: b12x_ops.moe_w4a8_out(x, ids, w, h, out), layer, ref, x, ids,
-                                             w, out, (170 + M,))
-            torch.cuda.synchronize()
-            if M <= 8 or gp.geometry.deterministic:
-                assert torch.equal(out, b12x_ops.moe_w4a8(x, ids, w, h)), (name, cc, M)  # (eager: the same bits)
+            _assert_eager_and_captured_right(layer, ref, h, M, 70 + M, min(1, M // 4),
+                                             M <= 8 or gp.geometry.deterministic, (name, cc))
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "odd-ep"])
@@ -376,17 +366,7 @@ def test_gpu_sync16_plans_on_sm90_match_the_reference(name, monkeypatch):
             continue
         assert cfg.sync == (cfg.bm == 16) and (cfg.gluon and cfg.gluon2 if cfg.sync else True), (name, M, cfg)
         seen.add(cfg.sync)
-        x, ids, w = make_batch(layer, M, seed=90 + M, device="cuda", padding_rows=M % 3)
-        want = b12x_ops.moe_w4a8(x, ids, w, ref)
-        out = torch.empty_like(x)
-        b12x_ops.moe_w4a8_out(x, ids, w, h, out)
-        assert rel_l2(out, want) <= 1e-2, (name, M, rel_l2(out, want))
-        torch.cuda.synchronize()
-        _assert_graph_replays_new_inputs(lambda: b12x_ops.moe_w4a8_out(x, ids, w, h, out), layer, ref, x, ids, w,
-                                         out, (190 + M,))
-        torch.cuda.synchronize()
-        if gp.geometry.deterministic:
-            assert torch.equal(out, b12x_ops.moe_w4a8(x, ids, w, h)), (name, M)
+        _assert_eager_and_captured_right(layer, ref, h, M, 90 + M, M % 3, gp.geometry.deterministic, (name,))
     assert True in seen, name  # (some count ran the 16-row plans on mma.sync)
 
 
@@ -585,6 +565,24 @@ def test_gpu_gemv_path_matches_reference_and_blocked(name):
     torch.cuda.synchronize()
     _assert_graph_replays_new_inputs(lambda: b12x_ops.moe_w4a8_out(x, ids, w, hs[True], out), layer, ref, x, ids, w,
                                      out, (31, 32))
+
+
+def _assert_eager_and_captured_right(layer, ref, h, M, seed, padding_rows, same_bits, what):
+    """An eager call of ``M`` tokens on handle ``h`` (batch ``seed``) matches the reference, a CUDA graph of it
+    replays a new batch (``seed + 100``) right, and where ``same_bits`` an eager call on that batch writes the
+    replay's bits."""
+    x, ids, w = make_batch(layer, M, seed=seed, device="cuda", padding_rows=padding_rows)
+    want = b12x_ops.moe_w4a8(x, ids, w, ref)
+    out = torch.empty_like(x)
+    b12x_ops.moe_w4a8_out(x, ids, w, h, out)
+    assert rel_l2(out, want) <= 1e-2, (*what, M, rel_l2(out, want))
+    torch.cuda.synchronize()
+    # (the replay leaves its new batch in x, ids, w and its output in out)
+    _assert_graph_replays_new_inputs(lambda: b12x_ops.moe_w4a8_out(x, ids, w, h, out), layer, ref, x, ids, w, out,
+                                     (seed + 100,))
+    torch.cuda.synchronize()
+    if same_bits:
+        assert torch.equal(out, b12x_ops.moe_w4a8(x, ids, w, h)), (*what, M)  # (eager: the same bits)
 
 
 def _assert_graph_replays_new_inputs(run, layer, ref, x, ids, w, out, seeds):
