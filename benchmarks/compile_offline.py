@@ -249,7 +249,7 @@ def geometry_plans(geo, arch: int, gemv=None, pdl: bool = False, gluon: bool = F
     checkpoint of usual scales (bytes in [2, 128]): the folded inline-PTX decode on sm_90, Triton
     operations elsewhere (``plan.ptx_status``); ``pdl`` and ``gluon`` as asked, where that GPU takes them
     (``plan.pdl_status``: sm_90 and newer; ``plan.gluon_status``: the GEMMs on wgmma on sm_90, on mma.sync
-    elsewhere with B12X_OPS_TRITON_GLUON_SYNC=1; the GEMV on mma.sync with its folded asm,
+    elsewhere unless B12X_OPS_TRITON_GLUON_SYNC=0; the GEMV on mma.sync with its folded asm,
     ``plan.gemv_mma_status``: sm_80 and newer)."""
     ptx = P._ptx_decision((arch // 10, arch % 10), True, None)[0]
     gp = P.GeometryPlans(_geometry(geo), True, gemv, ptx=ptx, dry=True, fold=ptx, pdl=pdl and arch >= 90)

@@ -2,7 +2,7 @@
 # One device call: the GPU tests, then the benchmark. Results land under $OUT (or ./out).
 # usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all|offhopper|sync16] [extra bench args...]
 # offhopper: other GPUs' plans on this one standing in (an sm_89 GPU's): their GPU test, then the whole op with the
-# tl.dot GEMMs (the default there) and with the Gluon GEMMs on mma.sync (B12X_OPS_TRITON_GLUON_SYNC=1) in one run
+# tl.dot GEMMs (B12X_OPS_TRITON_GLUON_SYNC=0) and with the Gluon GEMMs on mma.sync (the default there) in one run
 # (benchmarks/compare_trees.sh; results under $OUT/tl and $OUT/sync).
 # sync16: on sm_90, the 16-row plans' GEMMs on mma.sync (B12X_OPS_TRITON_GLUON_SYNC16=1): their GPU test, then the
 # whole op at 8-128 tokens with and without them in one run (results under $OUT/wgmma and $OUT/sync16).

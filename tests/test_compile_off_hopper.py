@@ -3,9 +3,9 @@
 The backend has run on H100 and H200 GPUs only, so off Hopper this is what checks the claim. A prepare
 on an A100 (sm_80), an L40 or RTX 4090 (sm_89) or an RTX 5090 forced onto ``backend="triton"`` (sm_120)
 takes the Triton-operations decode in its tl.dot kernels (``plan.ptx_status``), the GEMV on mma.sync in
-Gluon with the inline-PTX decode's asm up to its bounds (``plan.gemv_mma_status``: sm_80 and newer), with
-``B12X_OPS_TRITON_GLUON_SYNC=1`` (which this test sets) the blocked GEMMs in Gluon on mma.sync with the same
-asm above them (``plan.gluon_status``, ``gluon_sync``; without it the tl.dot GEMMs, also compiled here), and
+Gluon with the inline-PTX decode's asm up to its bounds (``plan.gemv_mma_status``: sm_80 and newer), the
+blocked GEMMs in Gluon on mma.sync with the same asm above them (``plan.gluon_status``, ``gluon_sync``; with
+``B12X_OPS_TRITON_GLUON_SYNC=0`` the tl.dot GEMMs, also compiled here), and
 programmatic dependent launches from sm_90 on (``plan.pdl_status``); its launches, the MXFP8 conversions and
 the tl.dot GEMMs the tuner also times among them, must compile for that target with ptxas, put their
 products on MMA v2 (``mma.sync``) and fit the target's shared memory, and the Gluon kernels' operand layouts
@@ -58,7 +58,7 @@ def _plans(offline, arch: int, name: str):
 def test_untuned_launches_compile_off_hopper(offline, arch, name, monkeypatch):
     from b12x_ops.backends.triton import plan as P
 
-    monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC", "1")
+    monkeypatch.delenv("B12X_OPS_TRITON_GLUON_SYNC", raising=False)  # (the default: the Gluon GEMMs on mma.sync)
 
     gp = _plans(offline, arch, name)
     compiled = {}

@@ -205,16 +205,16 @@ def test_gluon_gemms_run_on_mma_sync_off_sm90_wherever_the_gemv_does(monkeypatch
     GPU from sm_80 where the GEMV runs on mma.sync (``gemv_mma_status``, the same asm decode), off below sm_80,
     without a CUDA device, with ``ptx=False`` (the GEMV's answer) and under the interpreter; each with its
     reason. ``GeometryPlans.gluon_sync`` says which of the two MMAs a GPU's plans take. The mma.sync ones are
-    off by default (``B12X_OPS_TRITON_GLUON_SYNC=1`` turns them on), saying so."""
+    on by default; ``B12X_OPS_TRITON_GLUON_SYNC=0`` turns them off, saying so."""
     monkeypatch.setattr(P, "INTERPRET", False)
     monkeypatch.delenv("B12X_OPS_TRITON_GLUON", raising=False)
-    monkeypatch.delenv("B12X_OPS_TRITON_GLUON_SYNC", raising=False)
     monkeypatch.setattr(P, "_capability", lambda device: cc)
     if sync and on and P.GG.HAS_GLUON_MMA:
-        assert P.gluon_status("cuda") == (False, f"off by default on sm_{cc[0]}{cc[1]}: the GEMMs in Gluon on mma.sync "
-                                                 "have not yet run on a GPU (B12X_OPS_TRITON_GLUON_SYNC=1 turns them "
-                                                 "on; Hopper's wgmma ones are sm_90's)")
-    monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC", "1")
+        monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC", "0")
+        assert P.gluon_status("cuda") == (False, f"off on sm_{cc[0]}{cc[1]} (B12X_OPS_TRITON_GLUON_SYNC=0): the "
+                                                 "blocked calls' GEMMs run tl.dot with the Triton-operations decode "
+                                                 "instead of Gluon on mma.sync")
+    monkeypatch.delenv("B12X_OPS_TRITON_GLUON_SYNC", raising=False)
     got, why = P.gluon_status("cuda")
     assert got is (on and P.GK.HAS_GLUON and P.GG.HAS_GLUON_MMA), why
     if got:

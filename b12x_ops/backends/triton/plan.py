@@ -260,7 +260,7 @@ def gluon_maxnreg(bm: int, warps: int, sync: bool = False) -> int | None:
 # ``mma.sync.m16n8k16`` (``gluon_kernels.layouts(..., sync=True)``), the activations from shared memory
 # into registers a step, and there the tl.dot GEMMs they replace decode with Triton operations (``ptx_status``),
 # 1.4-1.9x slower than sm_90's (an H100 standing in, ``benchmarks/results/gemv_mma_off_hopper_h100.md``). So
-# every blocked plan would take them (with B12X_OPS_TRITON_GLUON_SYNC=1, below), in the forms whose shared memory fits every such GPU's 99 KB a block
+# every blocked plan takes them there, in the forms whose shared memory fits every such GPU's 99 KB a block
 # (sm_86, sm_89, sm_120; the 16-warp forms of 128 columns need 128 KB and more): GLUON_SYNC_FORMS by
 # block size, the 16-row forms in 4 warps, the 8-warp forms from 32 rows. Their copies run one step further
 # ahead than wgmma's (``gluon_kernels._lead``: stages - 1), so the 16-row forms take four stages where sm_90's
@@ -271,23 +271,26 @@ def gluon_maxnreg(bm: int, warps: int, sync: bool = False) -> int | None:
 GLUON_SYNC_FORMS = {16: (dict(GLUON_GEMM1_16, stages1=4), dict(GLUON_GEMM2_16, stages2=4))}
 GLUON_SYNC_DEFAULT = (GLUON_GEMM1_SMALL, GLUON_GEMM2_SMALL)
 GLUON_SYNC_MAX_BM = 64
-# They have not run on a GPU yet (compiled only, ``tests/test_compile_off_hopper.py``), so they are off by
-# default: B12X_OPS_TRITON_GLUON_SYNC=1 turns them on (``tests/test_triton_gpu.py`` runs them on an sm_90 GPU
-# standing in for the others; ``bench_moe.py --as-sm 89`` times them there).
+# On by default since an H100 standing in for sm_89 ran them (``tests/test_triton_gpu.py``: sm_89's and sm_120's
+# plans against the reference, eager and captured) in 0.55-0.91 of the tl.dot GEMMs' time at 16-2048 tokens and
+# within 2.5 % at 8192 (``benchmarks/results/gluon_sync_h100.md``); B12X_OPS_TRITON_GLUON_SYNC=0 turns them off
+# (the tl.dot GEMMs then; ``bench_moe.py --as-sm 89`` times either on an sm_90 GPU).
 
 
 def gluon_sync_on() -> bool:
-    """Whether GPUs other than sm_90 take the Gluon GEMMs on mma.sync (``B12X_OPS_TRITON_GLUON_SYNC=1``)."""
-    return os.environ.get("B12X_OPS_TRITON_GLUON_SYNC", "0") == "1"
+    """Whether GPUs other than sm_90 take the Gluon GEMMs on mma.sync (the default; ``B12X_OPS_TRITON_GLUON_SYNC=0``
+    turns them off)."""
+    return os.environ.get("B12X_OPS_TRITON_GLUON_SYNC", "1") != "0"
 
 
 # On sm_90 the same mma.sync forms of 16-row blocks compile (offline, triton 3.9) to the wgmma forms'
 # instructions a weight (a step's main loop 159 against 163 SASS instructions for 64 weights a thread) at
 # half their registers (74-79 against 143-145: six programs an SM where three fit), and GEMM2 of 16-row
 # blocks, which stays tl.dot there, would take them too. The 16-row plans (8-128 tokens) are where the
-# HBM target is missed (62-75 %). Untimed, so off by default: B12X_OPS_TRITON_GLUON_SYNC16=1 puts both GEMMs
-# of every untuned 16-row plan on them (the tuner does not time them there; ``bash benchmarks/h200_session.sh
-# sync16`` times them against the default).
+# HBM target is missed (62-75 %). Timed on an H100 (``bash benchmarks/h200_session.sh sync16``,
+# ``benchmarks/results/sync16_h100.md``) they were no faster: Qwen3 3-14 % slower at 8-128 tokens, DSv4 and
+# gpt-oss within 2 %. So they stay off: B12X_OPS_TRITON_GLUON_SYNC16=1 puts both GEMMs of every untuned 16-row
+# plan on them (the tuner does not time them there).
 def gluon_sync16_on() -> bool:
     """Whether sm_90's plans of 16-row blocks take the Gluon GEMMs on mma.sync (``B12X_OPS_TRITON_GLUON_SYNC16=1``)."""
     return os.environ.get("B12X_OPS_TRITON_GLUON_SYNC16", "0") == "1"
@@ -342,11 +345,11 @@ def _gluon_decision(cc, ptx: bool, mma: bool | None, device=None) -> tuple[bool,
         if not mma:
             return False, (why or "off: where the GEMV does not run on mma.sync (its decode is theirs)")
         if not gluon_sync_on():
-            return False, (f"off by default on sm_{cc[0]}{cc[1]}: the GEMMs in Gluon on mma.sync have not yet run on a "
-                           "GPU (B12X_OPS_TRITON_GLUON_SYNC=1 turns them on; Hopper's wgmma ones are sm_90's)")
+            return False, (f"off on sm_{cc[0]}{cc[1]} (B12X_OPS_TRITON_GLUON_SYNC=0): the blocked calls' GEMMs run "
+                           "tl.dot with the Triton-operations decode instead of Gluon on mma.sync")
         return True, (f"on, on mma.sync (sm_{cc[0]}{cc[1]}; Hopper's wgmma is sm_90's): the GEMMs of every blocked "
                       "call run in Gluon, decoding with the inline-PTX asm into their operands in place "
-                      "(B12X_OPS_TRITON_GLUON_SYNC=1; B12X_OPS_TRITON_GLUON=0 or ptx=False turns it off)")
+                      "(B12X_OPS_TRITON_GLUON_SYNC=0, B12X_OPS_TRITON_GLUON=0 or ptx=False turns it off)")
     if not ptx:
         return False, "off: it decodes with the inline-PTX decode, which these scales do not allow"
     return True, (f"on: the GEMMs of blocked calls with expert blocks of {GLUON_MIN_BM} rows or more run in Gluon, "
@@ -799,9 +802,13 @@ def mma_q1_candidates(tokens: int, geometry, most: int = GEMV_MMA_MAX_TOKENS) ->
 # Off sm_90 the blocked path's tl.dot GEMMs decode with Triton operations: on an H100 standing in for such a GPU
 # (``bench_moe.py --as-sm 89``, ``benchmarks/results/gemv_mma_off_hopper_h100.md``) they took 1.4-1.8x the
 # sm_90 plans' time, while the mma.sync GEMV took 1.06-1.22x, so the GEMV may win there above the bound
-# measured on sm_90 (``GEMV_MMA_MAX_TOKENS``, ``GEMV_MMA_MAX_SLOTS``). The untuned plans keep that bound; the
-# tuner also times the mma.sync GEMV up to GEMV_MMA_TUNE_MAX_TOKENS tokens and GEMV_MMA_TUNE_MAX_SLOTS slots
-# there, beside the blocked tiles, and keeps what is faster on the GPU at hand.
+# measured on sm_90 (``GEMV_MMA_MAX_TOKENS``, ``GEMV_MMA_MAX_SLOTS``). With the Gluon GEMMs on mma.sync in
+# their place (``gluon_sync_on``) it still did on that stand-in: 0.87-0.93 of the blocked path's time at 12
+# tokens, 0.92-0.99 at 16 (``benchmarks/results/gemv_bound_sync_h100.md``). The stand-in has the H100's memory,
+# and on a GPU of slower memory the GEMV's reads of an expert's weights a slot (the blocked path's, once an
+# expert) may cost more, so the untuned plans keep the bound; the tuner (on by default) also times the mma.sync GEMV up to GEMV_MMA_TUNE_MAX_TOKENS
+# tokens and GEMV_MMA_TUNE_MAX_SLOTS slots there, beside the blocked tiles, and keeps what is faster on the GPU
+# at hand.
 GEMV_MMA_TUNE_MAX_TOKENS = 32
 GEMV_MMA_TUNE_MAX_SLOTS = 192
 
