@@ -304,8 +304,8 @@ def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, sync, monke
     """The launches a prepare on an sm_89 GPU (no programmatic dependent launch) or an sm_120 one forced onto
     ``backend="triton"`` (with it) takes, run on this GPU standing in (``plan._capability`` answers ``cc``, as
     ``bench_moe.py --as-sm``): the GEMV on mma.sync with the asm decode at every token count it serves, and
-    above it the tl.dot GEMMs with the Triton-operations decode (the default) or with ``sync``
-    (``B12X_OPS_TRITON_GLUON_SYNC=1``) the Gluon GEMMs on mma.sync (``plan.GLUON_SYNC_FORMS``, blocks of at
+    above it the tl.dot GEMMs with the Triton-operations decode (``B12X_OPS_TRITON_GLUON_SYNC=0``) or with
+    ``sync`` (the default) the Gluon GEMMs on mma.sync (``plan.GLUON_SYNC_FORMS``, blocks of at
     most ``GLUON_SYNC_MAX_BM`` rows, their half tiles among them). Against the reference at 1-8 tokens and
     three blocked counts, eager (three launches: no one-launch form off sm_90) and captured in a CUDA graph
     replaying new inputs, with the same bits either way (``tests/test_compile_off_hopper.py`` compiles them

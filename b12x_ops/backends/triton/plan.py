@@ -804,11 +804,12 @@ def mma_q1_candidates(tokens: int, geometry, most: int = GEMV_MMA_MAX_TOKENS) ->
 # sm_90 plans' time, while the mma.sync GEMV took 1.06-1.22x, so the GEMV may win there above the bound
 # measured on sm_90 (``GEMV_MMA_MAX_TOKENS``, ``GEMV_MMA_MAX_SLOTS``). With the Gluon GEMMs on mma.sync in
 # their place (``gluon_sync_on``) it still did on that stand-in: 0.87-0.93 of the blocked path's time at 12
-# tokens, 0.92-0.99 at 16 (``benchmarks/results/gemv_bound_sync_h100.md``). The stand-in has the H100's memory,
-# and on a GPU of slower memory the GEMV's reads of an expert's weights a slot (the blocked path's, once an
-# expert) may cost more, so the untuned plans keep the bound; the tuner (on by default) also times the mma.sync GEMV up to GEMV_MMA_TUNE_MAX_TOKENS
-# tokens and GEMV_MMA_TUNE_MAX_SLOTS slots there, beside the blocked tiles, and keeps what is faster on the GPU
-# at hand.
+# tokens, 0.92-0.99 at 16 (``benchmarks/results/gemv_bound_sync_h100.md``). The stand-in has the H100's
+# memory, and on a GPU of slower memory the GEMV's reads of an expert's weights a slot (the blocked path's,
+# once an expert) may cost more, so the untuned plans keep the bound; the tuner (on by default) also times the
+# mma.sync GEMV up to GEMV_MMA_TUNE_MAX_TOKENS tokens and GEMV_MMA_TUNE_MAX_SLOTS slots there, beside the
+# blocked tiles, and keeps what is faster on the GPU at hand (``benchmarks/results/tuner_off_hopper_h100.md``:
+# the GEMV at 8 and 16 tokens on Qwen3).
 GEMV_MMA_TUNE_MAX_TOKENS = 32
 GEMV_MMA_TUNE_MAX_SLOTS = 192
 
