@@ -289,8 +289,8 @@ def gluon_sync_on() -> bool:
 # blocks, which stays tl.dot there, would take them too. The 16-row plans (8-128 tokens) are where the
 # HBM target is missed (62-75 %). Timed on an H100 (``bash benchmarks/h200_session.sh sync16``,
 # ``benchmarks/results/sync16_h100.md``) they were no faster: Qwen3 3-14 % slower at 8-128 tokens, DSv4 and
-# gpt-oss within 2 %. So they stay off: B12X_OPS_TRITON_GLUON_SYNC16=1 puts both GEMMs of every untuned 16-row
-# plan on them (the tuner does not time them there).
+# gpt-oss within 2 %; not yet timed on an H200. So they stay off: B12X_OPS_TRITON_GLUON_SYNC16=1 puts both GEMMs
+# of every untuned 16-row plan on them (the tuner does not time them there).
 def gluon_sync16_on() -> bool:
     """Whether sm_90's plans of 16-row blocks take the Gluon GEMMs on mma.sync (``B12X_OPS_TRITON_GLUON_SYNC16=1``)."""
     return os.environ.get("B12X_OPS_TRITON_GLUON_SYNC16", "0") == "1"
