@@ -316,7 +316,10 @@ def test_gpu_plans_of_other_gpus_match_the_reference_on_this_one(cc, sync, monke
 
     real = P._capability
     monkeypatch.setattr(P, "_capability", lambda device: None if real(device) is None else cc)
-    monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC", "1" if sync else "0")
+    if sync:  # (the default)
+        monkeypatch.delenv("B12X_OPS_TRITON_GLUON_SYNC", raising=False)
+    else:
+        monkeypatch.setenv("B12X_OPS_TRITON_GLUON_SYNC", "0")
     monkeypatch.setattr(TB, "_SHARED", {})  # (plans of their own, not a live handle's of this GPU)
     if not P.gemv_mma_status(torch.device("cuda"))[0]:
         pytest.skip(P.gemv_mma_status(torch.device("cuda"))[1])
