@@ -117,7 +117,7 @@ if HAS_GLUON:
         """``mma`` (the full tile's accumulator layout) for a tile of ``rows`` block rows: the quarter
         tile's (``HALF`` 2), built where it is used so that the kernels' layout arguments stay those of
         ``layouts``. (mma.sync's ``m16n8k16`` tiles hold any count of columns: the same layout.)"""
-        if mma.version[0] == 2:
+        if _sync(mma):
             return mma
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=list(mma.warps_per_cta),
                                          instr_shape=[16, max(rows, 8), 16])

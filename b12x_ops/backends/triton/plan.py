@@ -1465,10 +1465,12 @@ class GeometryPlans:
         """A Gluon GEMM's requirements (``gluon_kernels``; its tile width and stages are ``cfg``'s fields
         ``bn_name`` and ``st_name``, its ``rows`` weight rows in ``warps`` warps), before anything compiles."""
         bn, stages = getattr(cfg, bn_name), getattr(cfg, st_name)
-        if (not (self.mma if cfg.sync else self.ptx) or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2
+        decode = self.mma if cfg.sync else self.ptx  # (on mma.sync the GEMV's asm decode, else the PTX decode)
+        if (not decode or not GK.HAS_GLUON or bn not in widths or stages < 4 or stages % 2
                 or warps not in (rows // 16, rows // 32)):
             raise ValueError(f"b12x_ops triton backend: no Gluon {stage} for {cfg} (it needs the inline-PTX "
-                             f"decode, triton's Gluon, {bn_name} = {widths[0]} or {widths[1]}, an even "
+                             f"decode{' of the mma.sync GEMV' if cfg.sync else ''}, triton's Gluon, "
+                             f"{bn_name} = {widths[0]} or {widths[1]}, an even "
                              f"{st_name} >= 4, and {rows // 16} or {rows // 32} warps: 16 or 32 of its {rows} rows a "
                              "warp)")
 
