@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, then the benchmark. Results land under $OUT (or ./out).
-# usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all|offhopper|sync16] [extra bench args...]
+# usage: bash benchmarks/h200_session.sh [tests|ptests|bench|all|offhopper|sync16|h200next] [extra bench args...]
 # offhopper: other GPUs' plans on this one standing in (an sm_89 GPU's): their GPU test, then the whole op with the
 # tl.dot GEMMs (B12X_OPS_TRITON_GLUON_SYNC=0) and with the Gluon GEMMs on mma.sync (the default there) in one run
 # (benchmarks/compare_trees.sh; results under $OUT/tl and $OUT/sync).
 # sync16: on sm_90, the 16-row plans' GEMMs on mma.sync (B12X_OPS_TRITON_GLUON_SYNC16=1): their GPU test, then the
 # whole op at 8-128 tokens with and without them in one run (results under $OUT/wgmma and $OUT/sync16).
+# h200next: the H200 items NOTES lists after sync16 and the table, each step under its own limit so that one call
+# of about 540 s holds them: the GEMV's loads in flight at 4 and 8 tokens (gemv_mma_forms.py, Qwen3 then gpt-oss),
+# then the 16-row plans' stage sweep (sweep_blocked.py); logs $OUT/gemv_forms.log and $OUT/sweep16.log.
 # ptests: the whole GPU suite in thirteen processes at once (its time is mostly compiling, on the CPU:
 # about 4-6 minutes on the H100/H200 machines against 15 or more in one process; each process stops at
 # PTESTS_TIMEOUT, default 400 s), one log.
@@ -53,6 +56,15 @@ if [ "$what" = offhopper ]; then
 fi
 if [ "$what" = sync16 ]; then
   compare sync16 B12X_OPS_TRITON_GLUON_SYNC16 wgmma sync16 --sizes 8 16 32 64 128 "$@"
+fi
+if [ "$what" = h200next ]; then
+  for spec in "qwen3-30b-a3b 8/6@2,8/6@3,8/6@4,16/6@2,16/6@3,16/6@4" "gpt-oss-120b 15/9@2,15/9@3,15/9@4,9/9@2,9/9@3"; do
+    read -r geo forms <<< "$spec"
+    timeout 170 python3 benchmarks/experiments/gemv_mma_forms.py "$geo" 4,8 "$forms" 2
+  done 2>&1 | tee "$OUT/gemv_forms.log" | grep -v "Warning\|warn("
+  timeout 170 python3 benchmarks/sweep_blocked.py --ptx-only --layers 4 --bm 16 --sizes 16 64 --budget 150 \
+    --geometries gpt-oss-120b qwen3-30b-a3b --g1 64,128,4,3 64,128,4,5 64,64,4,6,g 64,64,4,8,g \
+    --g2 128,128,4,3 64,128,4,3 128,128,4,5 128,64,4,6,g 2>&1 | tee "$OUT/sweep16.log" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_moe.py "${peers[@]}" --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log"
