@@ -58,10 +58,9 @@ if [ "$what" = sync16 ]; then
   compare sync16 B12X_OPS_TRITON_GLUON_SYNC16 wgmma sync16 --sizes 8 16 32 64 128 "$@"
 fi
 if [ "$what" = h200next ]; then
-  for spec in "qwen3-30b-a3b 8/6@2,8/6@3,8/6@4,16/6@2,16/6@3,16/6@4" "gpt-oss-120b 15/9@2,15/9@3,15/9@4,9/9@2,9/9@3"; do
-    read -r geo forms <<< "$spec"
-    timeout 170 python3 benchmarks/experiments/gemv_mma_forms.py "$geo" 4,8 "$forms" 2
-  done 2>&1 | tee "$OUT/gemv_forms.log" | grep -v "Warning\|warn("
+  { timeout 170 python3 benchmarks/experiments/gemv_mma_forms.py qwen3-30b-a3b 4,8 8/6@2,8/6@3,8/6@4,16/6@2,16/6@3,16/6@4 2
+    timeout 170 python3 benchmarks/experiments/gemv_mma_forms.py gpt-oss-120b 4,8 15/9@2,15/9@3,15/9@4,9/9@2,9/9@3 2
+  } 2>&1 | tee "$OUT/gemv_forms.log" | grep -v "Warning\|warn("
   timeout 170 python3 benchmarks/sweep_blocked.py --ptx-only --layers 4 --bm 16 --sizes 16 64 --budget 150 \
     --geometries gpt-oss-120b qwen3-30b-a3b --g1 64,128,4,3 64,128,4,5 64,64,4,6,g 64,64,4,8,g \
     --g2 128,128,4,3 64,128,4,3 128,128,4,5 128,64,4,6,g 2>&1 | tee "$OUT/sweep16.log" | tail -40
